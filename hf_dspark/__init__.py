@@ -1,0 +1,48 @@
+"""hf_dspark: lossless DSpark / DFlash / Eagle3 speculative decoding for Hugging Face transformers.
+
+`import hf_dspark` registers the drafter classes with the Auto classes and routes
+`target.generate(..., assistant_model=drafter)` to hf_dspark's verifier when the drafter is one of ours.
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .generation import SpeculativeDecoderOnlyOutput, SpeculativeStats, greedy_verify, rejection_sample
+from .generation.integration import install_generate_hooks
+from .models import (
+    DraftContextCache,
+    DrafterTargetMismatchError,
+    DraftPreTrainedModel,
+    DSparkDraftConfig,
+    DSparkDraftModel,
+    Eagle3DraftConfig,
+    Eagle3DraftModel,
+)
+
+__version__ = "0.1.0"
+
+AutoConfig.register(DSparkDraftConfig.model_type, DSparkDraftConfig, exist_ok=True)
+AutoConfig.register(Eagle3DraftConfig.model_type, Eagle3DraftConfig, exist_ok=True)
+AutoModel.register(DSparkDraftConfig, DSparkDraftModel, exist_ok=True)
+AutoModel.register(Eagle3DraftConfig, Eagle3DraftModel, exist_ok=True)
+install_generate_hooks()
+
+
+def build_dflash_config(target_config, **overrides) -> DSparkDraftConfig:
+    """Config of a DFlash drafter for `target_config`: the DSpark backbone without sequential/confidence heads."""
+    return DSparkDraftConfig.dflash_from_target_config(target_config, **overrides)
+
+
+__all__ = [
+    "DraftContextCache",
+    "DrafterTargetMismatchError",
+    "DraftPreTrainedModel",
+    "DSparkDraftConfig",
+    "DSparkDraftModel",
+    "Eagle3DraftConfig",
+    "Eagle3DraftModel",
+    "SpeculativeDecoderOnlyOutput",
+    "SpeculativeStats",
+    "build_dflash_config",
+    "greedy_verify",
+    "rejection_sample",
+]

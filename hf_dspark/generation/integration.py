@@ -1,0 +1,72 @@
+"""Route `generate(..., assistant_model=<hf_dspark drafter>)` to hf_dspark's decoding loop.
+
+`generate` looks `_assisted_decoding` up on the target's class, so a class-level wrapper on `GenerationMixin`
+reaches every causal LM. The wrappers only act when the assistant is one of our drafters; any other call runs
+stock `transformers` code unchanged.
+"""
+
+from __future__ import annotations
+
+from transformers.generation.utils import GenerationMixin
+
+from ..models.common import DraftPreTrainedModel
+from .decoding import speculative_decoding
+
+_ORIGINALS: dict[str, object] = {}
+
+
+def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+    drafter = generation_mode_kwargs.get("assistant_model")
+    if isinstance(drafter, DraftPreTrainedModel):
+        # Our own message comes first: stock validation would blame the tokenizer for any vocab mismatch.
+        drafter.check_compatible(self.config)
+    return _ORIGINALS["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)
+
+
+def _assisted_decoding(
+    self,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    streamer=None,
+    inputs_tensor=None,
+    assistant_model=None,
+    assistant_tokenizer=None,
+    tokenizer=None,
+    **model_kwargs,
+):
+    if isinstance(assistant_model, DraftPreTrainedModel):
+        return speculative_decoding(
+            self,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            drafter=assistant_model,
+            streamer=streamer,
+            **model_kwargs,
+        )
+    return _ORIGINALS["_assisted_decoding"](
+        self,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus=synced_gpus,
+        streamer=streamer,
+        inputs_tensor=inputs_tensor,
+        assistant_model=assistant_model,
+        assistant_tokenizer=assistant_tokenizer,
+        tokenizer=tokenizer,
+        **model_kwargs,
+    )
+
+
+def install_generate_hooks() -> None:
+    """Idempotent: wrap the two `GenerationMixin` methods once per process."""
+    for name, wrapper in (("_assisted_decoding", _assisted_decoding), ("_validate_generation_mode", _validate_generation_mode)):
+        if name not in _ORIGINALS:
+            _ORIGINALS[name] = getattr(GenerationMixin, name)
+            setattr(GenerationMixin, name, wrapper)

@@ -1,0 +1,17 @@
+from .common import DraftContextCache, DrafterTargetMismatchError, DraftPreTrainedModel
+from .configuration_dspark import DSparkDraftConfig
+from .configuration_eagle3 import Eagle3DraftConfig
+from .modeling_dspark import DSparkDraftModel, DSparkDraftOutput
+from .modeling_eagle3 import Eagle3DraftModel, Eagle3DraftOutput
+
+__all__ = [
+    "DraftContextCache",
+    "DrafterTargetMismatchError",
+    "DraftPreTrainedModel",
+    "DSparkDraftConfig",
+    "DSparkDraftModel",
+    "DSparkDraftOutput",
+    "Eagle3DraftConfig",
+    "Eagle3DraftModel",
+    "Eagle3DraftOutput",
+]

@@ -1,0 +1,304 @@
+"""Building blocks shared by every drafter: target introspection, normalisation, rotary embeddings, the
+context K/V cache, and the base class that binds a drafter to the frozen embedding and LM head of its target."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+class DrafterTargetMismatchError(ValueError):
+    """A drafter was used with a target model whose shapes or depth it was not built for."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Target introspection
+# --------------------------------------------------------------------------------------------------------------
+
+
+def target_text_config(target_config: PreTrainedConfig) -> PreTrainedConfig:
+    """The decoder config of a target (the text config of multimodal wrappers such as Gemma3)."""
+    return target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+
+
+def global_rope_parameters(text_config: PreTrainedConfig) -> dict[str, Any]:
+    """The rotary parameters of the target's full-attention layers.
+
+    Families with per-layer-type rope (Gemma3: ``{"full_attention": {...}, "sliding_attention": {...}}``) are
+    reduced to the full-attention entry because a drafter attends over the whole context.
+    """
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        rope = rope["full_attention"]
+    rope = dict(rope)
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", getattr(text_config, "rope_theta", 10000.0))
+    return rope
+
+
+def target_shape_fields(target_config: PreTrainedConfig) -> dict[str, Any]:
+    """Every size a drafter copies from its target so that it can share the target's embedding and LM head."""
+    text = target_text_config(target_config)
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    hidden_act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
+    return {
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
+        "head_dim": head_dim,
+        "hidden_act": hidden_act,
+        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+        "max_position_embeddings": getattr(text, "max_position_embeddings", 4096),
+        "rope_parameters": global_rope_parameters(text),
+        "target_num_hidden_layers": text.num_hidden_layers,
+        "target_model_type": text.model_type,
+    }
+
+
+def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """``count`` target layers spread evenly from layer 1 to layer L-3 (DFlash's rule; gives DeepSpec's Qwen3
+    presets [1, 9, 17, 25, 33] for 36 layers). Shallow targets get fewer, distinct layers."""
+    last_allowed = num_target_layers - 2  # HF returns the final layer only after the final norm
+    if last_allowed < 0:
+        raise ValueError(f"a target needs at least 2 decoder layers to feed a drafter, got {num_target_layers}")
+    low, high = min(1, last_allowed), max(min(1, last_allowed), num_target_layers - 3)
+    if count == 1:
+        return [(low + high) // 2]
+    ids = [round(low + (high - low) * i / (count - 1)) for i in range(count)]
+    return sorted(set(ids))
+
+
+def check_drafter_matches_target(draft_config: PreTrainedConfig, target_config: PreTrainedConfig) -> None:
+    """Raise :class:`DrafterTargetMismatchError` naming the problem and the fix when a drafter cannot serve a
+    target. Called before any token is produced."""
+    text = target_text_config(target_config)
+    name = type(draft_config).__name__
+    fix = (
+        "Use a drafter trained for this target, or build one with "
+        f"`{name}.from_target_config(target.config)` and train it."
+    )
+    if draft_config.hidden_size != text.hidden_size:
+        raise DrafterTargetMismatchError(
+            f"The drafter's hidden_size ({draft_config.hidden_size}) differs from the target's ({text.hidden_size}): "
+            f"it cannot share the target's embedding and LM head. {fix}"
+        )
+    if draft_config.vocab_size != text.vocab_size:
+        raise DrafterTargetMismatchError(
+            f"The drafter's vocab_size ({draft_config.vocab_size}) differs from the target's ({text.vocab_size}): "
+            f"they do not share a tokenizer. {fix}"
+        )
+    last_allowed = text.num_hidden_layers - 2
+    bad = [i for i in draft_config.target_layer_ids if not 0 <= i <= last_allowed]
+    if bad:
+        raise DrafterTargetMismatchError(
+            f"The drafter reads target layers {bad}, but this target has {text.num_hidden_layers} layers "
+            f"(usable ids are 0..{last_allowed}; the last layer is only exposed after the final norm). {fix}"
+        )
+    mask_id = getattr(draft_config, "mask_token_id", None)
+    if mask_id is not None and not 0 <= mask_id < text.vocab_size:
+        raise DrafterTargetMismatchError(
+            f"The drafter's mask_token_id ({mask_id}) is outside the target's vocabulary of {text.vocab_size}. {fix}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------------------------
+
+
+class DraftRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: PreTrainedConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftRotaryEmbedding(nn.Module):
+    """Rotary embedding with the target's rope type and parameters (default, llama3, yarn, ...)."""
+
+    def __init__(self, config: PreTrainedConfig):
+        super().__init__()
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            dim = config.head_dim
+            base = config.rope_parameters["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape (batch, heads, length, head_dim) by per-position (batch, length, head_dim) angles."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+class DraftContextCache:
+    """Per-layer keys and values of the context a drafter has already projected.
+
+    Only context rows live here (target features for DSpark/DFlash, target features plus own chain steps for
+    Eagle3); speculative rows are cropped away after each round so rejected tokens leave no trace.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+
+    def get_seq_length(self) -> int:
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[-2]
+
+    def update(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (batch, kv_heads, new, head_dim) rows for one layer and return all rows of that layer."""
+        while len(self.keys) <= layer_idx:
+            self.keys.append(None)
+            self.values.append(None)
+        if self.keys[layer_idx] is not None:
+            keys = torch.cat([self.keys[layer_idx], keys], dim=-2)
+            values = torch.cat([self.values[layer_idx], values], dim=-2)
+        self.keys[layer_idx], self.values[layer_idx] = keys, values
+        return keys, values
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` rows of every layer."""
+        if length < 0:
+            raise ValueError(f"cannot crop a drafter cache to a negative length ({length})")
+        self.keys = [None if k is None else k[..., :length, :] for k in self.keys]
+        self.values = [None if v is None else v[..., :length, :] for v in self.values]
+
+
+def attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads; ``attention_mask`` is boolean (True = may attend)."""
+    return nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=attention_mask, scale=scaling, enable_gqa=keys.shape[1] != query.shape[1]
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Base class
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _TargetHeads:
+    """Holds the target's embedding and LM head without registering them as drafter submodules, so they are
+    neither saved with the drafter nor trained by it."""
+
+    def __init__(self, embed_tokens: nn.Module, lm_head: nn.Module):
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+
+
+class DraftPreTrainedModel(PreTrainedModel):
+    """Common behaviour of hf_dspark drafters: safetensors checkpoints, target binding and compatibility."""
+
+    base_model_prefix = "drafter"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+
+    def __init__(self, config: PreTrainedConfig):
+        super().__init__(config)
+        self._target_heads: _TargetHeads | None = None
+        self.confidence_threshold: float | None = None
+        """Optional static threshold: drafting stops at the first slot whose cumulative confidence falls below it."""
+        self.num_draft_tokens: int | None = None
+        """Draft length per round (defaults to ``config.block_size``)."""
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DraftRMSNorm):
+            nn.init.ones_(module.weight)
+
+    # -- target binding -------------------------------------------------------------------------------------
+
+    def check_compatible(self, target_config: PreTrainedConfig) -> None:
+        check_drafter_matches_target(self.config, target_config)
+
+    def attach_target(self, target: PreTrainedModel) -> None:
+        """Share ``target``'s (frozen) input embedding and LM head. Generation does this for you."""
+        self.check_compatible(target.config)
+        lm_head = target.get_output_embeddings()
+        if lm_head is None:
+            raise DrafterTargetMismatchError(
+                f"{type(target).__name__} has no LM head; load the target with AutoModelForCausalLM."
+            )
+        self._target_heads = _TargetHeads(target.get_input_embeddings(), lm_head)
+
+    @property
+    def target_heads(self) -> _TargetHeads:
+        if self._target_heads is None:
+            raise RuntimeError(
+                f"{type(self).__name__} shares its target's embedding and LM head, and none is attached. "
+                "Call `drafter.attach_target(target)` first (generate() and the trainer do it for you)."
+            )
+        return self._target_heads
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.target_heads.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the target vocabulary from the drafter's final (normed) hidden states."""
+        lm_head = self.target_heads.lm_head
+        return lm_head(hidden_states.to(lm_head.weight.dtype))
+
+    @property
+    def target_hidden_state_indices(self) -> list[int]:
+        """Indices into a target's ``hidden_states`` tuple (index 0 is the embeddings) that the drafter reads."""
+        return [i + 1 for i in self.config.target_layer_ids]
+
+    def draft_length(self) -> int:
+        return self.num_draft_tokens or self.config.block_size
+
+
+def attention_scaling(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
