@@ -259,6 +259,41 @@ class DraftPreTrainedModel(PreTrainedModel):
         elif isinstance(module, DraftRMSNorm):
             nn.init.ones_(module.weight)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load a drafter from safetensors only, refusing checkpoints with missing or mis-shaped weights
+        (stock loading would silently re-initialise them and the drafter would propose garbage)."""
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("hf_dspark drafters load weights from safetensors only; drop use_safetensors=False.")
+        kwargs["use_safetensors"] = True
+        return_info = kwargs.pop("output_loading_info", False)
+        fix = (
+            "It was saved for a different drafter config or is incomplete: load it with the config.json saved "
+            "beside it, or re-save it with save_pretrained() from a matching drafter."
+        )
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+            )
+        except RuntimeError as error:
+            if "mismatched_sizes" not in str(error):
+                raise
+            raise ValueError(
+                f"The checkpoint at {pretrained_model_name_or_path!r} has weights with the wrong shape for "
+                f"{cls.__name__} (see the load report above). {fix}"
+            ) from error
+        problems = []
+        if info.get("missing_keys"):
+            problems.append(f"missing weights {sorted(info['missing_keys'])[:8]}")
+        if info.get("mismatched_keys"):
+            problems.append(f"weights with the wrong shape {[k for k, *_ in info['mismatched_keys']][:8]}")
+        if problems:
+            raise ValueError(
+                f"The checkpoint at {pretrained_model_name_or_path!r} does not fit {cls.__name__} "
+                f"({'; '.join(problems)}). {fix}"
+            )
+        return (model, info) if return_info else model
+
     # -- target binding -------------------------------------------------------------------------------------
 
     def check_compatible(self, target_config: PreTrainedConfig) -> None:

@@ -1,0 +1,68 @@
+"""Tiny randomly initialised targets of three families and drafters for them (float32 for exact identity)."""
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import hf_dspark
+
+VOCAB = 96
+
+
+def tiny_target(family: str, vocab_size: int = VOCAB, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+        initializer_range=0.2,
+    )
+    common.update(overrides)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    elif family == "gemma3":
+        config = Gemma3TextConfig(
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            **common,
+        )
+        model = Gemma3ForCausalLM(config)
+    else:
+        raise ValueError(family)
+    return model.eval()
+
+
+def tiny_drafter(target, kind: str = "markov", block_size: int = 4, seed: int = 1, **overrides):
+    """kind: markov | gated | rnn | dflash | eagle3."""
+    torch.manual_seed(seed)
+    if kind == "eagle3":
+        config = hf_dspark.Eagle3DraftConfig.from_target_config(target.config, block_size=block_size, **overrides)
+        return hf_dspark.Eagle3DraftModel(config).eval()
+    if kind == "dflash":
+        config = hf_dspark.build_dflash_config(target.config, num_hidden_layers=2, block_size=block_size, **overrides)
+    else:
+        overrides.setdefault("confidence_head", True)
+        config = hf_dspark.DSparkDraftConfig.from_target_config(
+            target.config, num_hidden_layers=2, block_size=block_size, markov_head=kind, markov_rank=16, **overrides
+        )
+    return hf_dspark.DSparkDraftModel(config).eval()
+
+
+def prompts(count: int, length: int = 6, vocab_size: int = VOCAB, seed: int = 123):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab_size, (1, length + i % 3), generator=generator) for i in range(count)]
+
+
+@pytest.fixture(params=["llama", "qwen3", "gemma3"])
+def family(request):
+    return request.param

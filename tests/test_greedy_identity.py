@@ -1,0 +1,175 @@
+"""Greedy speculative output must equal plain greedy output token for token (float32)."""
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from hf_dspark.generation.candidates import DraftCandidateGenerator
+from conftest import prompts, tiny_drafter, tiny_target
+
+DRAFTER_KINDS = ["markov", "gated", "rnn", "dflash", "eagle3"]
+
+
+def plain_greedy(target, ids, **kwargs):
+    return target.generate(ids, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_random_drafter_matches_plain_greedy(family, kind):
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, kind)
+    for ids in prompts(4):
+        expected = plain_greedy(target, ids, max_new_tokens=20)
+        actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=20)
+        assert torch.equal(actual, expected)
+        stats = drafter.last_generation_stats
+        assert stats.num_rounds >= 1 and 1.0 <= stats.tau <= drafter.config.block_size + 1
+
+
+def use_oracle(monkeypatch, reference: torch.Tensor, correct_slots: int | None):
+    """Make every drafter propose the target's own greedy continuation (taken from ``reference``), corrupted
+    from slot ``correct_slots`` on. The real drafter still runs; only the token choice is replaced."""
+
+    def choose(self, logits, context_ids):
+        position = context_ids.shape[1]
+        slot = position - self._oracle_anchor - 1
+        token = int(reference[0, position]) if position < reference.shape[1] else 0
+        if correct_slots is not None and slot >= correct_slots:
+            token = (token + 1) % logits.shape[-1]
+        processed = torch.full_like(logits, -1e4)
+        processed[:, token] = 0.0
+        return torch.tensor([[token]]), processed
+
+    original = DraftCandidateGenerator.get_candidates
+
+    def get_candidates(self, input_ids, **kwargs):
+        self._oracle_anchor = input_ids.shape[1] - 1
+        return original(self, input_ids, **kwargs)
+
+    monkeypatch.setattr(DraftCandidateGenerator, "_choose", choose)
+    monkeypatch.setattr(DraftCandidateGenerator, "get_candidates", get_candidates)
+
+
+@pytest.mark.parametrize("kind", ["markov", "eagle3"])
+@pytest.mark.parametrize("correct_slots,expected_accepts", [(None, 4), (2, 2), (0, 0)])
+def test_full_partial_and_zero_acceptance(monkeypatch, family, kind, correct_slots, expected_accepts):
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, kind, block_size=4)
+    ids = prompts(1)[0]
+    reference = plain_greedy(target, ids, max_new_tokens=40)
+    use_oracle(monkeypatch, reference, correct_slots)
+    actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=21)
+    assert torch.equal(actual, reference[:, : ids.shape[1] + 21])
+    stats = drafter.last_generation_stats
+    full_rounds = [a for a, d in zip(stats.accepted, stats.draft_lengths) if d == 4]
+    assert full_rounds and all(a == expected_accepts for a in full_rounds)
+    assert stats.tau == pytest.approx((sum(stats.accepted) + stats.num_rounds) / stats.num_rounds)
+
+
+@pytest.mark.parametrize("kind", ["rnn", "eagle3"])
+def test_eos_and_max_length_inside_a_block(monkeypatch, kind):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, kind, block_size=6)
+    ids = prompts(1)[0]
+    reference = plain_greedy(target, ids, max_new_tokens=40)
+    use_oracle(monkeypatch, reference, correct_slots=None)  # full acceptance: blocks run past EOS / the limit
+    new_tokens = reference[0, ids.shape[1] :].tolist()
+    eos = next(t for i, t in enumerate(new_tokens) if i >= 3 and t not in new_tokens[:i])
+    expected = plain_greedy(target, ids, max_new_tokens=40, eos_token_id=eos)
+    actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40, eos_token_id=eos)
+    assert int(expected[0, -1]) == eos and expected.shape[1] < reference.shape[1]
+    assert torch.equal(actual, expected)
+    for limit in (1, 2, 5, 9):
+        expected = plain_greedy(target, ids, max_new_tokens=limit)
+        actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=limit)
+        assert torch.equal(actual, expected)
+
+
+class StopAfterToken(StoppingCriteria):
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+class CollectingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_stopping_criteria_streamer_and_processors(family):
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, "markov")
+    ids = prompts(1)[0]
+    reference = plain_greedy(target, ids, max_new_tokens=30)
+    stop_token = int(reference[0, ids.shape[1] + 6])
+    criteria = StoppingCriteriaList([StopAfterToken(stop_token)])
+    expected = plain_greedy(target, ids, max_new_tokens=30, stopping_criteria=criteria, repetition_penalty=1.3)
+    streamer = CollectingStreamer()
+    actual = target.generate(
+        ids,
+        assistant_model=drafter,
+        do_sample=False,
+        max_new_tokens=30,
+        stopping_criteria=criteria,
+        repetition_penalty=1.3,
+        streamer=streamer,
+    )
+    assert torch.equal(actual, expected)
+    assert streamer.ended
+    assert streamer.chunks[0] == ids[0].tolist()
+    assert sum(streamer.chunks[1:], []) == actual[0, ids.shape[1] :].tolist()
+
+
+def test_return_dict_scores_logits_and_stats(family):
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, "gated")
+    ids = prompts(1)[0]
+    kwargs = dict(do_sample=False, max_new_tokens=12, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    expected = target.generate(ids, **kwargs)
+    actual = target.generate(ids, assistant_model=drafter, **kwargs)
+    assert torch.equal(actual.sequences, expected.sequences)
+    assert len(actual.scores) == len(expected.scores) == 12
+    for got, want in zip(actual.scores, expected.scores):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for got, want in zip(actual.logits, expected.logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert actual.cache.get_seq_length() == actual.sequences.shape[1] - 1
+    assert actual.speculative_stats is drafter.last_generation_stats
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.5, 1.01])
+def test_confidence_threshold_ends_blocks_early_and_stays_exact(threshold):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, "markov", block_size=6)
+    drafter.confidence_threshold = threshold
+    for ids in prompts(3):
+        expected = plain_greedy(target, ids, max_new_tokens=16)
+        actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16)
+        assert torch.equal(actual, expected)
+        stats = drafter.last_generation_stats
+        for length, confidences in zip(stats.draft_lengths, stats.confidences):
+            survival = torch.tensor(confidences).cumprod(0)
+            assert (survival >= threshold).all()
+            assert length == len(confidences)
+        if threshold > 1:
+            assert set(stats.draft_lengths) == {0}
+
+
+def test_plain_and_stock_assisted_generate_untouched():
+    target = tiny_target("llama")
+    ids = prompts(1)[0]
+    plain = plain_greedy(target, ids, max_new_tokens=10)
+    stock_assistant = tiny_target("llama", seed=5)
+    assisted = target.generate(ids, assistant_model=stock_assistant, do_sample=False, max_new_tokens=10)
+    lookup = target.generate(ids, prompt_lookup_num_tokens=3, do_sample=False, max_new_tokens=10)
+    assert torch.equal(assisted, plain) and torch.equal(lookup, plain)

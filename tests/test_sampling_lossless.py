@@ -1,0 +1,149 @@
+"""Sampled speculative output must follow the target distribution exactly.
+
+Each test also computes how a biased sampler would score against the same bound, so a test that passes
+proves the bound is tight enough to catch real bias.
+"""
+
+import itertools
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+from hf_dspark import rejection_sample
+from conftest import tiny_drafter, tiny_target
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson statistic over the cells the target can produce; any sample outside them is infinitely wrong."""
+    total = counts.sum()
+    support = probs > 0
+    if counts[~support].sum() > 0:
+        return float("inf")
+    expected = probs[support] * total
+    return float(((counts[support] - expected) ** 2 / expected).sum())
+
+
+def critical_value(dof: int) -> float:
+    """Chi-square quantile at p = 1e-4 (Wilson-Hilferty), so a correct sampler fails ~1 run in 10^4."""
+    z = 3.719
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def expected_statistic(biased: torch.Tensor, probs: torch.Tensor, samples: int) -> float:
+    support = probs > 0
+    off_support = biased[~support].sum()
+    if off_support > 0:
+        return float("inf")
+    return float(samples * ((biased[support] - probs[support]) ** 2 / probs[support]).sum())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The verifier alone, on fixed distributions
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft_length", [1, 3])
+def test_rejection_sampling_emits_target_distribution(draft_length):
+    torch.manual_seed(0)
+    vocab, rows = 5, 40000
+    p = torch.softmax(torch.randn(draft_length + 1, vocab) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(draft_length, vocab) * 1.5, dim=-1)
+    q[0, 0] = 0.0  # a token the draft never proposes must still be produced at the target's rate
+    q = q / q.sum(-1, keepdim=True)
+    drafts = torch.stack([torch.multinomial(q[i], rows, replacement=True) for i in range(draft_length)], dim=1)
+    num_accepted, next_token = rejection_sample(
+        drafts, q.expand(rows, -1, -1), p.expand(rows, -1, -1), generator=torch.Generator().manual_seed(1)
+    )
+    first = torch.where(num_accepted > 0, drafts[:, 0], next_token)
+    counts = torch.bincount(first, minlength=vocab).float()
+    bound = critical_value(vocab - 1)
+    assert chi_square(counts, p[0]) < bound
+    # Power: accepting drafts unconditionally would emit q; accepting with probability p/q unclipped... both fail.
+    assert expected_statistic(q[0], p[0], rows) > 5 * bound
+
+    # Given the first draft was accepted, the second emitted token must follow p_2 as well.
+    if draft_length > 1:
+        second = torch.where(num_accepted > 1, drafts[:, 1], next_token)[num_accepted > 0]
+        counts = torch.bincount(second, minlength=vocab).float()
+        assert chi_square(counts, p[1]) < bound
+    # All-accepted rows emit the bonus token from the last target distribution.
+    bonus = next_token[num_accepted == draft_length]
+    assert chi_square(torch.bincount(bonus, minlength=vocab).float(), p[-1]) < bound
+
+
+def test_per_row_draft_lengths_are_respected():
+    p = torch.full((3, 4, 6), 1 / 6)
+    q = torch.full((3, 3, 6), 1 / 6)
+    drafts = torch.zeros(3, 3, dtype=torch.long)
+    num_accepted, _ = rejection_sample(drafts, q, p, draft_lengths=torch.tensor([0, 2, 3]))
+    assert num_accepted.tolist() == [0, 2, 3]  # p == q: every drafted slot is accepted, no slot past the length
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end through target.generate on a tiny-vocabulary target
+# ---------------------------------------------------------------------------------------------------------
+
+TINY_VOCAB = 6
+
+
+def exact_three_token_distribution(target, ids, temperature, top_p):
+    """P(x1, x2, x3) of plain sampling with the same warpers, computed from the target's logits."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)])
+
+    def next_probs(prefix):
+        with torch.no_grad():
+            return warpers(prefix, target(prefix).logits[:, -1]).softmax(-1)[0]
+
+    joint = torch.zeros(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB)
+    p1 = next_probs(ids)
+    for x1 in range(TINY_VOCAB):
+        prefix1 = torch.cat([ids, torch.tensor([[x1]])], dim=-1)
+        p2 = next_probs(prefix1)
+        for x2 in range(TINY_VOCAB):
+            if p1[x1] * p2[x2] > 0:
+                joint[x1, x2] = p1[x1] * p2[x2] * next_probs(torch.cat([prefix1, torch.tensor([[x2]])], dim=-1))
+    return joint
+
+
+def assert_matches(counts: torch.Tensor, probs: torch.Tensor, biased: torch.Tensor, samples: int):
+    counts, probs, biased = counts.reshape(-1), probs.reshape(-1), biased.reshape(-1)
+    bound = critical_value(int((probs > 0).sum()) - 1)
+    assert chi_square(counts, probs) < bound
+    return expected_statistic(biased, probs, samples) / bound
+
+
+@pytest.mark.parametrize("kind", ["markov", "eagle3"])
+def test_generate_sampling_matches_target_distribution(kind):
+    target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None, bos_token_id=None)
+    drafter = tiny_drafter(target, kind, block_size=3)
+    ids = torch.tensor([[1, 4, 2, 5]])
+    temperature, top_p = 0.7, 0.9
+    joint = exact_three_token_distribution(target, ids, temperature, top_p)
+    # Temperature applied twice (0.49), the classic assisted-decoding bug.
+    biased = exact_three_token_distribution(target, ids, temperature * temperature, top_p)
+
+    torch.manual_seed(2024)
+    samples = 2500
+    counts = torch.zeros(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB)
+    rounds_with_accepts = 0
+    for _ in range(samples):
+        # x1 comes from the prefill; x2 is a drafted slot (accepted or resampled); x3 a correction or bonus.
+        out = target.generate(
+            ids, assistant_model=drafter, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+            max_new_tokens=3,
+        )
+        x1, x2, x3 = out[0, -3:].tolist()
+        counts[x1, x2, x3] += 1
+        stats = drafter.last_generation_stats
+        assert stats.draft_lengths[0] == 1
+        rounds_with_accepts += stats.accepted[0]
+    assert 0.05 * samples < rounds_with_accepts < 0.95 * samples  # both accept and reject paths ran
+
+    power = [
+        assert_matches(counts.sum(2), joint.sum(2), biased.sum(2), samples),  # (x1, x2)
+        assert_matches(counts.sum(0), joint.sum(0), biased.sum(0), samples),  # (x2, x3)
+        assert_matches(counts.sum((0, 1)), joint.sum((0, 1)), biased.sum((0, 1)), samples),  # x3
+    ]
+    # The same bound rejects the biased sampler by a wide margin on the joint tables.
+    assert max(power) > 3
