@@ -173,3 +173,31 @@ def test_plain_and_stock_assisted_generate_untouched():
     assisted = target.generate(ids, assistant_model=stock_assistant, do_sample=False, max_new_tokens=10)
     lookup = target.generate(ids, prompt_lookup_num_tokens=3, do_sample=False, max_new_tokens=10)
     assert torch.equal(assisted, plain) and torch.equal(lookup, plain)
+
+
+@pytest.mark.parametrize("kind", ["markov", "eagle3"])
+def test_draft_vocabulary_only_proposes_its_tokens_and_stays_exact(kind):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, kind, draft_vocab_size=24)
+    allowed = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(3))[:24]
+    drafter.set_draft_vocab(allowed)
+    proposed = []
+    original = DraftCandidateGenerator._choose
+
+    def spy(self, logits, context_ids):
+        token, processed = original(self, logits, context_ids)
+        proposed.append(int(token))
+        assert torch.isinf(processed[0, [t for t in range(target.config.vocab_size) if t not in allowed]]).all()
+        return token, processed
+
+    DraftCandidateGenerator._choose = spy
+    try:
+        for ids in prompts(3):
+            expected = plain_greedy(target, ids, max_new_tokens=16)
+            actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16)
+            assert torch.equal(actual, expected)
+            sampled = target.generate(ids, assistant_model=drafter, do_sample=True, max_new_tokens=16)
+            assert sampled.shape[1] == ids.shape[1] + 16
+    finally:
+        DraftCandidateGenerator._choose = original
+    assert proposed and set(proposed) <= set(allowed.tolist())

@@ -88,7 +88,7 @@ class DraftCandidateGenerator(CandidateGenerator):
 
     def _choose(self, logits: torch.Tensor, context_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
         """Apply the processors once, then pick the draft token from the processed distribution."""
-        processed = self.logits_processor(context_ids, logits.float())
+        processed = self.logits_processor(context_ids, self.drafter.to_target_vocab(logits.float()))
         if self.do_sample:
             token = torch.multinomial(processed.softmax(dim=-1), num_samples=1)
         else:

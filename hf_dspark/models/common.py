@@ -230,6 +230,7 @@ class _TargetHeads:
     def __init__(self, embed_tokens: nn.Module, lm_head: nn.Module):
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
+        self.draft_weight: torch.Tensor | None = None  # LM-head rows of the draft vocabulary, sliced once
 
 
 class DraftPreTrainedModel(PreTrainedModel):
@@ -247,6 +248,26 @@ class DraftPreTrainedModel(PreTrainedModel):
         """Optional static threshold: drafting stops at the first slot whose cumulative confidence falls below it."""
         self.num_draft_tokens: int | None = None
         """Draft length per round (defaults to ``config.block_size``)."""
+        if config.draft_vocab_size is not None:
+            self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_to_target = None
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Width of the drafter's logits: the draft vocabulary if it has one, else the target's."""
+        return self.config.draft_vocab_size or self.config.vocab_size
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft over these target token ids (e.g. the most frequent tokens of the training answers)."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if self.draft_to_target is None or token_ids.numel() != self.draft_to_target.numel():
+            raise ValueError(f"expected {self.output_vocab_size} token ids, got {token_ids.numel()}")
+        if token_ids.unique().numel() != token_ids.numel() or not (0 <= token_ids).all() or not (token_ids < self.config.vocab_size).all():
+            raise ValueError("draft vocabulary ids must be distinct target token ids")
+        self.draft_to_target.copy_(token_ids.to(self.draft_to_target.device))
+        if self._target_heads is not None:
+            self._target_heads.draft_weight = None
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -322,9 +343,24 @@ class DraftPreTrainedModel(PreTrainedModel):
         return self.target_heads.embed_tokens(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits over the target vocabulary from the drafter's final (normed) hidden states."""
-        lm_head = self.target_heads.lm_head
-        return lm_head(hidden_states.to(lm_head.weight.dtype))
+        """Logits over the drafter's output vocabulary (the draft vocabulary if set) from final normed states."""
+        heads = self.target_heads
+        weight = heads.lm_head.weight
+        if self.draft_to_target is not None:
+            if heads.draft_weight is None or heads.draft_weight.device != weight.device:
+                heads.draft_weight = weight.detach()[self.draft_to_target.to(weight.device)]
+            weight = heads.draft_weight
+        bias = getattr(heads.lm_head, "bias", None)
+        if bias is not None and self.draft_to_target is not None:
+            bias = bias[self.draft_to_target.to(bias.device)]
+        return nn.functional.linear(hidden_states.to(weight.dtype), weight, bias)
+
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Spread draft-vocabulary logits over the full target vocabulary (-inf for tokens never drafted)."""
+        if self.draft_to_target is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_to_target.to(logits.device), logits)
 
     @property
     def target_hidden_state_indices(self) -> list[int]:

@@ -49,6 +49,9 @@ class DSparkDraftConfig(PreTrainedConfig):
         markov_rank (`int`): Rank r of the sequential head's token embedding W1 (V x r) and output W2 (r x V).
         confidence_head (`bool`): Predict, per slot, the probability that the slot is accepted given that its
             prefix was (sigmoid of a linear map of `[h_k ; W1[x_{k-1}]]`).
+        draft_vocab_size (`int`, *optional*): Draft over only this many target tokens (the most frequent in
+            the training answers; ids in the `draft_to_target` buffer). Drafting and the draft LM head get
+            cheaper; verification stays exact over the full vocabulary. `None` drafts over all tokens.
         initializer_range (`float`): Std of the normal initialiser.
     """
 
@@ -75,6 +78,7 @@ class DSparkDraftConfig(PreTrainedConfig):
     markov_head: str | None = "markov"
     markov_rank: int = 256
     confidence_head: bool = True
+    draft_vocab_size: int | None = None
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
@@ -98,6 +102,8 @@ class DSparkDraftConfig(PreTrainedConfig):
                 f"markov_head={self.markov_head!r} needs markov_rank > 0 (got {self.markov_rank}); "
                 "set markov_head=None for a DFlash drafter"
             )
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if not self.target_layer_ids:

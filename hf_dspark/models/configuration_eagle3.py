@@ -35,6 +35,9 @@ class Eagle3DraftConfig(PreTrainedConfig):
         target_layer_ids (`list[int]`): Target decoder layers whose outputs are fused (HF `hidden_states[i + 1]`).
         target_num_hidden_layers (`int`): Depth of the target the drafter was built for.
         target_model_type (`str`): `model_type` of that target (informational).
+        draft_vocab_size (`int`, *optional*): Draft over only this many target tokens (the most frequent in
+            the training answers; ids in the `draft_to_target` buffer). Drafting and the draft LM head get
+            cheaper; verification stays exact over the full vocabulary. `None` drafts over all tokens.
         initializer_range (`float`): Std of the normal initialiser.
     """
 
@@ -56,6 +59,7 @@ class Eagle3DraftConfig(PreTrainedConfig):
     target_layer_ids: list[int] | None = None
     target_num_hidden_layers: int | None = None
     target_model_type: str | None = None
+    draft_vocab_size: int | None = None
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
@@ -71,6 +75,8 @@ class Eagle3DraftConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.num_hidden_layers < 1:

@@ -126,7 +126,7 @@ class DSparkSequentialHead(nn.Module):
         self.kind = config.markov_head
         self.rank = config.markov_rank
         self.token_embedding = nn.Embedding(config.vocab_size, self.rank)
-        self.output = nn.Linear(self.rank, config.vocab_size, bias=False)
+        self.output = nn.Linear(self.rank, config.draft_vocab_size or config.vocab_size, bias=False)
         if self.kind == "gated":
             self.gate = nn.Linear(config.hidden_size + self.rank, self.rank)
         elif self.kind == "rnn":

