@@ -122,6 +122,11 @@ def test_sequential_and_confidence_heads_follow_previous_tokens():
     expected_bias = head.output(head.token_embedding(previous))
     torch.testing.assert_close(out.logits - out.base_logits, expected_bias, rtol=1e-5, atol=1e-5)
     assert out.confidence_logits.shape == (1, 4)
+    selected = torch.tensor([[True, False, True, False]])
+    with torch.no_grad():
+        partial = drafter(input_ids=block, target_hidden_states=features, previous_token_ids=previous,
+                          logits_mask=selected)
+    torch.testing.assert_close(partial.logits, out.logits[selected], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["markov", "gated", "rnn", "dflash", "eagle3"])

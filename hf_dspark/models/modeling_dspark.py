@@ -140,7 +140,7 @@ class DSparkSequentialHead(nn.Module):
     def step(
         self, hidden: torch.Tensor, previous_tokens: torch.Tensor, state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One slot. ``hidden`` (N, d), ``previous_tokens`` (N,) -> bias (N, V), W1[x_{k-1}] (N, r), new state."""
+        """One slot. ``hidden`` (N, d), ``previous_tokens`` (N,) -> (z (N, r) with bias = W2(z), W1[x_{k-1}], state)."""
         previous = self.token_embedding(previous_tokens).to(hidden.dtype)
         if self.kind == "markov":
             mixed = previous
@@ -151,17 +151,18 @@ class DSparkSequentialHead(nn.Module):
             gate = torch.sigmoid(gate)
             state = gate * state + (1 - gate) * torch.tanh(candidate)
             mixed = torch.tanh(out)
-        return self.output(mixed), previous, state
+        return mixed, previous, state
 
     def forward(self, hidden: torch.Tensor, previous_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher-forced pass over whole blocks: ``hidden`` (N, G, d), ``previous_tokens`` (N, G)."""
+        """Teacher-forced pass over whole blocks: ``hidden`` (N, G, d), ``previous_tokens`` (N, G) ->
+        (z (N, G, r), W1[x_{k-1}] (N, G, r)); the logit bias is ``self.output(z)``."""
         state = self.initial_state(hidden.shape[0], hidden)
-        biases, embeddings = [], []
+        mixed, embeddings = [], []
         for k in range(hidden.shape[1]):
-            bias, previous, state = self.step(hidden[:, k], previous_tokens[:, k], state)
-            biases.append(bias)
+            z, previous, state = self.step(hidden[:, k], previous_tokens[:, k], state)
+            mixed.append(z)
             embeddings.append(previous)
-        return torch.stack(biases, dim=1), torch.stack(embeddings, dim=1)
+        return torch.stack(mixed, dim=1), torch.stack(embeddings, dim=1)
 
 
 class DSparkDraftModel(DraftPreTrainedModel):
@@ -212,6 +213,7 @@ class DSparkDraftModel(DraftPreTrainedModel):
         cache: DraftContextCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         previous_token_ids: torch.LongTensor | None = None,
+        logits_mask: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
     ) -> DSparkDraftOutput:
@@ -231,6 +233,9 @@ class DSparkDraftModel(DraftPreTrainedModel):
         previous_token_ids (`torch.LongTensor` of shape `(batch, block_len)`, *optional*):
             x_{k-1} for every slot (the anchor for slot 0). When given, the sequential head corrects the logits and
             the confidence head is evaluated (teacher forcing).
+        logits_mask (`torch.BoolTensor` of shape `(batch, block_len)`, *optional*):
+            Compute logits only for these slots (training skips padded and unsupervised slots); logits then have
+            shape `(num_selected, vocab)` in row-major order.
         use_cache (`bool`, *optional*):
             Create a cache when none is passed.
         """
@@ -257,13 +262,15 @@ class DSparkDraftModel(DraftPreTrainedModel):
             hidden_states = layer(hidden_states, context, block_rope, context_rope, attention_mask, cache)
         hidden_states = self.norm(hidden_states)
 
-        base_logits = self.compute_logits(hidden_states)
+        selected = hidden_states if logits_mask is None else hidden_states[logits_mask]
+        base_logits = self.compute_logits(selected)
         logits, confidence_logits = base_logits, None
         if previous_token_ids is not None:
             previous_embedding = None
             if self.sequential_head is not None:
-                bias, previous_embedding = self._teacher_forced_bias(hidden_states, previous_token_ids)
-                logits = base_logits + bias.to(base_logits.dtype)
+                mixed, previous_embedding = self._teacher_forced_head(hidden_states, previous_token_ids)
+                mixed = mixed if logits_mask is None else mixed[logits_mask]
+                logits = base_logits + self.sequential_head.output(mixed).to(base_logits.dtype)
             if self.confidence_proj is not None:
                 confidence_logits = self.confidence_logit(hidden_states, previous_embedding)
         return DSparkDraftOutput(
@@ -274,14 +281,14 @@ class DSparkDraftModel(DraftPreTrainedModel):
             cache=cache,
         )
 
-    def _teacher_forced_bias(self, hidden_states, previous_token_ids):
+    def _teacher_forced_head(self, hidden_states, previous_token_ids):
         """Run the sequential head over packed blocks of `block_size` slots (the RNN state restarts per block)."""
         batch, length, width = hidden_states.shape
         block = self.config.block_size if length % self.config.block_size == 0 else length
-        bias, previous = self.sequential_head(
+        mixed, previous = self.sequential_head(
             hidden_states.reshape(-1, block, width), previous_token_ids.reshape(-1, block)
         )
-        return bias.reshape(batch, length, -1), previous.reshape(batch, length, -1)
+        return mixed.reshape(batch, length, -1), previous.reshape(batch, length, -1)
 
 
 __all__ = ["DSparkDraftModel", "DSparkDraftOutput"]

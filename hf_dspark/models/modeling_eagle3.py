@@ -122,6 +122,7 @@ class Eagle3DraftModel(DraftPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         cache: DraftContextCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        logits_mask: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
     ) -> Eagle3DraftOutput:
@@ -138,6 +139,8 @@ class Eagle3DraftModel(DraftPreTrainedModel):
             True where a row may attend; default causal.
         cache ([`DraftContextCache`], *optional*):
             Keys/values of earlier rows; new rows are appended.
+        logits_mask (`torch.BoolTensor` of shape `(batch, length)`, *optional*):
+            Compute logits only for these rows (training); logits then have shape `(num_selected, vocab)`.
         use_cache (`bool`, *optional*):
             Create a cache when none is passed.
         """
@@ -161,7 +164,8 @@ class Eagle3DraftModel(DraftPreTrainedModel):
         rope = self.rotary_emb(position_ids, dtype)
         for layer in self.layers:
             hidden_states = layer(hidden_states, inputs_embeds, rope, attention_mask, cache)
-        logits = self.compute_logits(self.norm(hidden_states))
+        normed = self.norm(hidden_states)
+        logits = self.compute_logits(normed if logits_mask is None else normed[logits_mask])
         return Eagle3DraftOutput(logits=logits, hidden_states=hidden_states, cache=cache)
 
 

@@ -1,0 +1,86 @@
+"""Distillation losses for drafters, on the supervised slots only.
+
+DSpark: `w_ce * CE + w_tv * TV + w_bce * BCE(confidence)`, each term weighted per slot k (0-based) by
+`exp(-k / decay)` and normalised by the sum of weights. TV is `||p_draft - p_target||_1` on the
+sequential-head-corrected logits; the confidence label is `1 - 0.5 * ||p_draft - p_target||_1` (detached),
+i.e. the probability that rejection sampling accepts the slot.
+DFlash is the same with `w_tv = w_bce = 0`. Eagle3 uses soft cross-entropy per unrolled step, weighted `decay**s`.
+
+With a draft vocabulary S the drafter's distribution is zero outside S, so
+`||q - p||_1 = sum_{v in S} |q_v - p_v| + (1 - p(S))` and hard labels outside S give no CE term.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def position_weights(slot_index: torch.Tensor, decay: float) -> torch.Tensor:
+    return torch.exp(-slot_index.float() / decay)
+
+
+def target_probs_on_draft_vocab(target_logits: torch.Tensor, draft_to_target: torch.Tensor | None) -> torch.Tensor:
+    """p_target restricted to the draft vocabulary (not renormalised), or the full p_target."""
+    log_probs = target_logits.float().log_softmax(dim=-1)
+    if draft_to_target is not None:
+        log_probs = log_probs[:, draft_to_target]
+    return log_probs.exp()
+
+
+def l1_distance(draft_probs: torch.Tensor, target_probs_subset: torch.Tensor) -> torch.Tensor:
+    """||q - p||_1 per row, where both are given on the draft vocabulary and q has no mass outside it."""
+    outside = (1.0 - target_probs_subset.sum(dim=-1)).clamp_min(0.0)
+    return (draft_probs - target_probs_subset).abs().sum(dim=-1) + outside
+
+
+def draft_labels(labels: torch.Tensor, draft_to_target: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Map target-vocabulary labels into the draft vocabulary; -100 where a label is not drafted."""
+    if draft_to_target is None:
+        return labels
+    lookup = torch.full((vocab_size,), -100, dtype=torch.long, device=labels.device)
+    lookup[draft_to_target] = torch.arange(draft_to_target.numel(), device=labels.device)
+    return lookup[labels]
+
+
+def dspark_loss(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    labels: torch.Tensor,
+    slot_index: torch.Tensor,
+    confidence_logits: torch.Tensor | None = None,
+    *,
+    ce_weight: float = 0.1,
+    tv_weight: float = 0.9,
+    bce_weight: float = 1.0,
+    decay: float = 4.0,
+    draft_to_target: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """All inputs are per supervised slot: draft_logits (N, V_draft), target_logits (N, V), labels (N,) target ids,
+    slot_index (N,), confidence_logits (N,). Returns (loss, detached per-slot quantities for logging)."""
+    weights = position_weights(slot_index, decay)
+    total_weight = weights.sum().clamp_min(1e-8)
+    draft_probs = draft_logits.float().softmax(dim=-1)
+    target_probs = target_probs_on_draft_vocab(target_logits, draft_to_target)
+    distance = l1_distance(draft_probs, target_probs)
+
+    mapped = draft_labels(labels, draft_to_target, target_logits.shape[-1])
+    ce = F.cross_entropy(draft_logits.float(), mapped, ignore_index=-100, reduction="none")
+    loss = ce_weight * (weights * ce).sum() / total_weight + tv_weight * (weights * distance).sum() / total_weight
+    acceptance = (1.0 - 0.5 * distance).clamp(0.0, 1.0).detach()
+    details = {"ce": ce.detach(), "l1": distance.detach(), "acceptance": acceptance}
+    if confidence_logits is not None and bce_weight:
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), acceptance, reduction="none")
+        loss = loss + bce_weight * (weights * bce).sum() / total_weight
+        details["bce"] = bce.detach()
+        details["confidence"] = torch.sigmoid(confidence_logits.detach().float())
+    full_draft_argmax = draft_logits.argmax(-1) if draft_to_target is None else draft_to_target[draft_logits.argmax(-1)]
+    details["top1"] = (full_draft_argmax == target_logits.argmax(-1)).float()
+    return loss, details
+
+
+def soft_cross_entropy(draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                       draft_to_target: torch.Tensor | None = None) -> torch.Tensor:
+    """-sum_v p_target(v) log q(v) per row, over the draft vocabulary (p outside it cannot be matched)."""
+    target_probs = target_probs_on_draft_vocab(target_logits, draft_to_target)
+    return -(target_probs * draft_logits.float().log_softmax(dim=-1)).sum(dim=-1)

@@ -1,0 +1,112 @@
+"""Loss terms, block construction and data parsing checked against hand-computed values."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from hf_dspark.training import (
+    Decontaminator, build_blocks, dspark_loss, iter_json_records, l1_distance, load_prompts, position_weights,
+    sample_anchors, user_turns,
+)
+from hf_dspark.training.losses import soft_cross_entropy
+
+
+def test_position_weights_follow_exponential_decay():
+    weights = position_weights(torch.arange(7), decay=4.0)
+    assert weights[0] == 1.0
+    torch.testing.assert_close(weights, torch.tensor([math.exp(-k / 4.0) for k in range(7)]))
+
+
+def test_dspark_loss_matches_hand_computation():
+    draft_logits = torch.log(torch.tensor([[0.5, 0.5, 0.0 + 1e-30], [0.2, 0.3, 0.5]]))
+    target_logits = torch.log(torch.tensor([[0.7, 0.3, 1e-30], [0.2, 0.3, 0.5]]))
+    labels = torch.tensor([0, 2])
+    slots = torch.tensor([0, 1])
+    confidence_logits = torch.tensor([0.0, 2.0])
+    loss, details = dspark_loss(draft_logits, target_logits, labels, slots, confidence_logits,
+                                ce_weight=0.1, tv_weight=0.9, bce_weight=1.0, decay=4.0)
+    w = torch.tensor([1.0, math.exp(-1 / 4)])
+    l1 = torch.tensor([0.4, 0.0])  # |0.5-0.7| + |0.5-0.3|, identical rows
+    ce = torch.tensor([-math.log(0.5), -math.log(0.5)])
+    accept = 1 - 0.5 * l1  # 0.8, 1.0
+    bce = torch.tensor([
+        -(0.8 * math.log(0.5) + 0.2 * math.log(0.5)),
+        -(1.0 * math.log(torch.sigmoid(torch.tensor(2.0)))),
+    ])
+    expected = (0.1 * (w * ce).sum() + 0.9 * (w * l1).sum() + (w * bce).sum()) / w.sum()
+    torch.testing.assert_close(details["l1"], l1, atol=1e-5, rtol=0)
+    torch.testing.assert_close(details["acceptance"], accept, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loss, expected.float(), atol=1e-5, rtol=0)
+
+
+def test_draft_vocabulary_distance_counts_mass_outside_it():
+    target_logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    draft_logits = torch.log(torch.tensor([[0.6, 0.4]]))  # over target ids [0, 2]
+    subset = torch.tensor([0, 2])
+    _, details = dspark_loss(draft_logits, target_logits, torch.tensor([1]), torch.tensor([0]),
+                             draft_to_target=subset)
+    # |0.6-0.5| + |0.4-0.2| + p(1)=0.3 outside the draft vocabulary
+    torch.testing.assert_close(details["l1"], torch.tensor([0.6]), atol=1e-5, rtol=0)
+    assert details["ce"][0] == 0  # label 1 is not drafted: ignored
+    assert l1_distance(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))[0] == 0
+    soft = soft_cross_entropy(torch.log(torch.tensor([[0.5, 0.5]])), target_logits, subset)
+    torch.testing.assert_close(soft, torch.tensor([-(0.5 + 0.2) * math.log(0.5)]), atol=1e-5, rtol=0)
+
+
+def test_anchors_and_blocks_have_no_future_leakage():
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17, 18, 19]])
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 0, 0]])
+    anchors, valid = sample_anchors(loss_mask, num_anchors=10)
+    assert valid.sum() == 4 and anchors[valid].tolist() == [3, 4, 5, 6]  # anchor and its next token in the answer
+
+    blocks = build_blocks(input_ids, loss_mask, torch.tensor([[3, 6]]), torch.tensor([[True, True]]),
+                          block_size=3, mask_token_id=0)
+    assert blocks.input_ids.tolist() == [[13, 0, 0, 16, 0, 0]]
+    assert blocks.position_ids.tolist() == [[3, 4, 5, 6, 7, 8]]
+    assert blocks.labels.tolist() == [[14, 15, 16, 17, 18, 19]]
+    assert blocks.previous_token_ids.tolist() == [[13, 14, 15, 16, 17, 18]]
+    # Labels past the answer (positions 8, 9) are not supervised, nor anything after them in the block.
+    assert blocks.slot_valid.tolist() == [[True, True, True, True, False, False]]
+    mask = blocks.attention_mask[0, 0]
+    length = input_ids.shape[1]
+    for query, anchor in enumerate([3, 3, 3, 6, 6, 6]):
+        context = mask[query, :length]
+        assert context[:anchor].all() and not context[anchor:].any()  # strictly before the anchor
+        own_block = mask[query, length:]
+        assert own_block.tolist() == ([True] * 3 + [False] * 3 if anchor == 3 else [False] * 3 + [True] * 3)
+
+
+def test_truncated_sharegpt_array_is_recovered(tmp_path):
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": "first [question]"}, {"from": "gpt", "value": "x"}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "second, with \"quotes\" and ]"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "third"}]},
+    ]
+    text = json.dumps(records, indent=2)
+    cut = text.index('"third"') + 3  # inside the last record
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[:cut])
+    recovered = list(iter_json_records(path))
+    assert [r["id"] for r in recovered] == ["a", "b"]
+    assert load_prompts([path]) == ["first [question]", 'second, with "quotes" and ]']
+
+
+def test_prompt_formats_and_jsonl(tmp_path):
+    assert user_turns({"turns": ["a", "b"]}) == ["a", "b"]
+    assert user_turns({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}) == ["u"]
+    assert user_turns({"instruction": "do", "input": "this"}) == ["do\n\nthis"]
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"turns": ["one"]}\n{"instruction": "two"}\n{"turns": ["one"]}\n{"tur')
+    assert load_prompts([path]) == ["one", "two"]
+
+
+def test_decontamination_drops_eval_prompts():
+    from hf_dspark.evaluation import benchmark_path
+
+    gsm = json.loads(benchmark_path("gsm8k").read_text().splitlines()[5])["turns"][0]
+    humaneval = json.loads(benchmark_path("humaneval").read_text().splitlines()[3])["turns"][0]
+    decontaminator = Decontaminator.from_benchmarks()
+    kept = decontaminator.filter([gsm, "  " + gsm.upper() + " ", "Please help: " + humaneval, "Tell me a joke about cats."])
+    assert kept == ["Tell me a joke about cats."]
