@@ -103,3 +103,29 @@ def test_interrupted_training_resumes_from_saved_step(tmp_path):
     # Steps 1-10 come from the checkpoint's state, 11-20 were trained after resuming: nothing before the last
     # save was redone and nothing was skipped.
     assert steps == list(range(1, 21)) and resumed.state.global_step == 20
+
+
+def test_lora_adapter_fine_tuning_saves_and_loads_onto_the_base_drafter(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    target = tiny_target("llama")
+    examples = target_generated_examples(target)
+    base = tiny_drafter(target, "markov", block_size=4)
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    before = mean_tau(target, base, examples)
+    lora = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj", "fc"]))
+    trainer = DSparkTrainer(model=lora, target=target, args=training_args(tmp_path / "run", 150, learning_rate=1e-2),
+                            train_dataset=examples, num_anchors=16)
+    trainer.train()
+    lora.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+    fresh_base = tiny_drafter(target, "markov", block_size=4)
+    for name, value in fresh_base.state_dict().items():  # the base weights themselves were not trained
+        torch.testing.assert_close(value, base_state[name])
+    adapted = PeftModel.from_pretrained(fresh_base, tmp_path / "adapter").eval()
+    after = mean_tau(target, adapted, examples)
+    assert after > before + 0.15, (before, after)  # measured here: 1.02 -> 1.26
+    ids = torch.tensor([examples[0]["input_ids"][: examples[0]["loss_mask"].index(1)]])
+    assert torch.equal(target.generate(ids, assistant_model=adapted, do_sample=False, max_new_tokens=20),
+                       target.generate(ids, do_sample=False, max_new_tokens=20))

@@ -47,6 +47,23 @@ def cmd_regenerate(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from hf_dspark.training.recipes import train_drafter
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    target, tokenizer = load_target(args.target, args.dtype)
+    summary = train_drafter(
+        target, tokenizer, kind=args.kind, output_dir=args.output, regenerated=args.data or [],
+        dataset_answers=args.dataset_answers, num_layers=args.num_layers, block_size=args.block_size,
+        markov_rank=args.markov_rank, draft_vocab_size=args.draft_vocab_size, target_layer_ids=args.target_layers,
+        init_from_target=args.init_from_target_layers, max_length=args.max_length, batch_size=args.batch_size,
+        num_anchors=args.num_anchors, learning_rate=args.learning_rate, max_steps=args.max_steps,
+        save_steps=args.save_steps, warmup_ratio=args.warmup_ratio, seed=args.seed, resume=not args.no_resume,
+    )
+    print(json.dumps(summary))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +85,33 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--threads", type=int, default=None)
     regen.add_argument("--no-decontaminate", action="store_true", help="keep prompts that overlap the eval sets")
     regen.set_defaults(func=cmd_regenerate)
+
+    train = sub.add_parser("train", help="distil a drafter against a frozen target (resumes from checkpoints)")
+    train.add_argument("--kind", default="dspark", choices=["dspark", "gated", "rnn", "dflash", "eagle3"])
+    train.add_argument("--output", required=True, help="folder for the drafter (and trainer checkpoints)")
+    train.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
+    train.add_argument("--dtype", default="float32", choices=DTYPES)
+    train.add_argument("--data", nargs="*", help="folders of `hf-dspark regenerate` shards")
+    train.add_argument("--dataset-answers", type=int, default=0,
+                       help="also distil on the first N ShareGPT conversations' own answers (off-policy contexts)")
+    train.add_argument("--num-layers", type=int, default=2)
+    train.add_argument("--block-size", type=int, default=7)
+    train.add_argument("--markov-rank", type=int, default=256)
+    train.add_argument("--draft-vocab-size", type=int, default=None)
+    train.add_argument("--target-layers", type=int, nargs="*", default=None)
+    train.add_argument("--init-from-target-layers", type=int, nargs="*", default=None,
+                       help="copy these target decoder layers into the drafter's layers before training")
+    train.add_argument("--max-length", type=int, default=768)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--num-anchors", type=int, default=64)
+    train.add_argument("--learning-rate", type=float, default=6e-4)
+    train.add_argument("--warmup-ratio", type=float, default=0.04)
+    train.add_argument("--max-steps", type=int, default=1000)
+    train.add_argument("--save-steps", type=int, default=50)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--threads", type=int, default=None)
+    train.add_argument("--no-resume", action="store_true")
+    train.set_defaults(func=cmd_train)
     return parser
 
 

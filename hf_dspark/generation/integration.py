@@ -15,9 +15,17 @@ from .decoding import speculative_decoding
 _ORIGINALS: dict[str, object] = {}
 
 
+def as_drafter(assistant) -> DraftPreTrainedModel | None:
+    """Our drafter behind `assistant` (itself, or the base model of a PEFT/LoRA wrapper), else None."""
+    if isinstance(assistant, DraftPreTrainedModel):
+        return assistant
+    base = assistant.get_base_model() if hasattr(assistant, "get_base_model") else None
+    return base if isinstance(base, DraftPreTrainedModel) else None
+
+
 def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-    drafter = generation_mode_kwargs.get("assistant_model")
-    if isinstance(drafter, DraftPreTrainedModel):
+    drafter = as_drafter(generation_mode_kwargs.get("assistant_model"))
+    if drafter is not None:
         # Our own message comes first: stock validation would blame the tokenizer for any vocab mismatch.
         drafter.check_compatible(self.config)
     return _ORIGINALS["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)
@@ -37,14 +45,15 @@ def _assisted_decoding(
     tokenizer=None,
     **model_kwargs,
 ):
-    if isinstance(assistant_model, DraftPreTrainedModel):
+    drafter = as_drafter(assistant_model)
+    if drafter is not None:
         return speculative_decoding(
             self,
             input_ids,
             logits_processor,
             stopping_criteria,
             generation_config,
-            drafter=assistant_model,
+            drafter=drafter,
             streamer=streamer,
             **model_kwargs,
         )

@@ -64,6 +64,10 @@ def target_shape_fields(target_config: PreTrainedConfig) -> dict[str, Any]:
     }
 
 
+# Families whose attention normalises queries and keys per head; drafters for them do the same.
+QK_NORM_FAMILIES = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "olmo2", "olmo3"}
+
+
 def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
     """``count`` target layers spread evenly from layer 1 to layer L-3 (DFlash's rule; gives DeepSpec's Qwen3
     presets [1, 9, 17, 25, 33] for 36 layers). Shallow targets get fewer, distinct layers."""

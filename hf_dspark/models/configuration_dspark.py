@@ -7,7 +7,7 @@ from typing import Any
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .common import default_target_layer_ids, target_shape_fields
+from .common import QK_NORM_FAMILIES, default_target_layer_ids, target_shape_fields
 
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn")
 
@@ -123,11 +123,13 @@ class DSparkDraftConfig(PreTrainedConfig):
     def from_target_config(cls, target_config: PreTrainedConfig, **overrides: Any) -> "DSparkDraftConfig":
         """Derive a drafter config from any causal-LM config (Llama, Qwen3, Gemma, ...).
 
-        Sizes, heads and rotary parameters come from the target; `target_layer_ids` defaults to
+        Sizes, heads and rotary parameters come from the target (and per-head q/k norms for families that use
+        them, e.g. Qwen3 and Gemma3); `target_layer_ids` defaults to
         `num_hidden_layers` layers spread evenly over the target; `mask_token_id` defaults to the target's pad
         token (else its EOS token). Any field can be overridden.
         """
         fields = target_shape_fields(target_config)
+        fields["qk_norm"] = fields["target_model_type"] in QK_NORM_FAMILIES
         fields.update(overrides)
         num_layers = fields.setdefault("num_hidden_layers", cls.num_hidden_layers)
         if "target_layer_ids" not in overrides:

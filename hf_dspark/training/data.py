@@ -152,3 +152,47 @@ class Decontaminator:
 
     def filter(self, prompts: Iterable[str]) -> list[str]:
         return [p for p in prompts if not self.is_contaminated(p)]
+
+
+def first_answer(record: dict) -> tuple[str, str] | None:
+    """(first user turn, the answer that follows it) of a conversation record, if it has both."""
+    for key in ("conversations", "messages", "conversation"):
+        messages = record.get(key)
+        if not isinstance(messages, list):
+            continue
+        for current, following in zip(messages, messages[1:]):
+            if not (isinstance(current, dict) and isinstance(following, dict)):
+                continue
+            role = current.get("from", current.get("role"))
+            next_role = following.get("from", following.get("role"))
+            text = current.get("value", current.get("content"))
+            answer = following.get("value", following.get("content"))
+            if role in _USER_ROLES and next_role in ("gpt", "assistant") and text and answer:
+                return text, answer
+    return None
+
+
+def answer_examples(tokenizer, paths: Iterable[str | Path], max_length: int = 1024, limit: int | None = None,
+                    decontaminator: Decontaminator | None = None, skip: int = 0) -> list[dict]:
+    """`{"input_ids", "loss_mask"}` examples from a dataset's own answers (templated prompt + answer + EOS),
+    for distillation on off-policy contexts when regenerated answers are scarce."""
+    from .regenerate import chat_prompt_ids
+
+    examples, seen = [], 0
+    for path in paths:
+        for record in iter_json_records(path):
+            pair = first_answer(record)
+            if pair is None or (decontaminator is not None and decontaminator.is_contaminated(pair[0])):
+                continue
+            seen += 1
+            if seen <= skip:
+                continue
+            prompt_ids = chat_prompt_ids(tokenizer, pair[0])
+            if len(prompt_ids) >= max_length - 8:
+                continue
+            answer_ids = tokenizer(pair[1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids = (prompt_ids + answer_ids)[:max_length]
+            examples.append({"input_ids": ids, "loss_mask": [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))})
+            if limit is not None and len(examples) >= limit:
+                return examples
+    return examples

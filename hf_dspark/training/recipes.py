@@ -1,0 +1,101 @@
+"""End-to-end drafter training used by `hf-dspark train`: build (or resume) a drafter for a target, assemble
+the data, pick a draft vocabulary, train with `DSparkTrainer`, save a safetensors checkpoint."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import ConcatDataset
+from transformers import TrainingArguments
+
+from ..models import DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig, Eagle3DraftModel
+from .data import Decontaminator, answer_examples, sharegpt_path
+from .init import init_layers_from_target
+from .trainer import DSparkTrainer, RegeneratedDataset, most_frequent_tokens
+
+
+class ExampleList(torch.utils.data.Dataset):
+    def __init__(self, examples):
+        self.examples = examples
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, index):
+        return self.examples[index]
+
+
+def build_drafter(kind: str, target, *, num_layers: int, block_size: int, markov_rank: int,
+                  draft_vocab_size: int | None, target_layer_ids: list[int] | None):
+    overrides = {"block_size": block_size, "draft_vocab_size": draft_vocab_size}
+    if target_layer_ids:
+        overrides["target_layer_ids"] = target_layer_ids
+    if kind == "eagle3":
+        return Eagle3DraftModel(Eagle3DraftConfig.from_target_config(target.config, num_hidden_layers=num_layers,
+                                                                     **overrides))
+    if kind == "dflash":
+        config = DSparkDraftConfig.dflash_from_target_config(target.config, num_hidden_layers=num_layers, **overrides)
+    else:
+        config = DSparkDraftConfig.from_target_config(target.config, num_hidden_layers=num_layers,
+                                                      markov_head=kind if kind != "dspark" else "markov",
+                                                      markov_rank=markov_rank, confidence_head=True, **overrides)
+    return DSparkDraftModel(config)
+
+
+def assemble_dataset(tokenizer, regenerated: list[str], dataset_answers: int, max_length: int):
+    parts = [RegeneratedDataset(path, max_length=max_length) for path in regenerated]
+    if dataset_answers:
+        examples = answer_examples(tokenizer, [sharegpt_path()], max_length=max_length, limit=dataset_answers,
+                                   decontaminator=Decontaminator.from_benchmarks())
+        parts.append(ExampleList(examples))
+    if not parts:
+        raise ValueError("no training data: pass --data DIR (regenerated shards) and/or --dataset-answers N")
+    return ConcatDataset(parts) if len(parts) > 1 else parts[0]
+
+
+def answer_token_counts(dataset, vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for index in range(len(dataset)):
+        example = dataset[index]
+        answer = [t for t, m in zip(example["input_ids"], example["loss_mask"]) if m]
+        counts += torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=vocab_size)
+    return counts
+
+
+def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated: list[str], dataset_answers: int,
+                  num_layers: int, block_size: int, markov_rank: int, draft_vocab_size: int | None,
+                  target_layer_ids: list[int] | None, init_from_target: list[int] | None, max_length: int,
+                  batch_size: int, num_anchors: int, learning_rate: float, max_steps: int, save_steps: int,
+                  warmup_ratio: float, seed: int, resume: bool) -> dict:
+    torch.manual_seed(seed)
+    output = Path(output_dir)
+    dataset = assemble_dataset(tokenizer, regenerated, dataset_answers, max_length)
+    drafter = build_drafter(kind, target, num_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
+                            draft_vocab_size=draft_vocab_size, target_layer_ids=target_layer_ids)
+    if draft_vocab_size:
+        counts = answer_token_counts(dataset, target.config.vocab_size)
+        drafter.set_draft_vocab(most_frequent_tokens(counts, draft_vocab_size, always=[tokenizer.eos_token_id]))
+    if init_from_target:
+        init_layers_from_target(drafter, target, init_from_target)
+    args = TrainingArguments(
+        output_dir=str(output / "trainer"), per_device_train_batch_size=batch_size, max_steps=max_steps,
+        learning_rate=learning_rate, warmup_steps=max(1, int(warmup_ratio * max_steps)), lr_scheduler_type="cosine", weight_decay=0.0,
+        max_grad_norm=1.0, logging_steps=10, save_strategy="steps", save_steps=save_steps, save_total_limit=2,
+        report_to=[], use_cpu=not torch.cuda.is_available(), seed=seed, dataloader_num_workers=0,
+    )
+    trainer = DSparkTrainer(model=drafter, target=target, args=args, train_dataset=dataset, num_anchors=num_anchors)
+    started = time.perf_counter()
+    has_checkpoint = resume and any((output / "trainer").glob("checkpoint-*"))
+    trainer.train(resume_from_checkpoint=True if has_checkpoint else None)
+    seconds = time.perf_counter() - started
+    drafter.save_pretrained(output)
+    summary = {"kind": kind, "examples": len(dataset), "steps": trainer.state.global_step, "train_seconds": seconds,
+               "answer_tokens": int(sum(sum(dataset[i]["loss_mask"]) for i in range(len(dataset))))}
+    (output / "training_summary.json").write_text(json.dumps(summary, indent=2))
+    with open(output / "training_log.jsonl", "w") as handle:
+        for entry in trainer.state.log_history:
+            handle.write(json.dumps(entry) + "\n")
+    return summary
