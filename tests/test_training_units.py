@@ -110,3 +110,14 @@ def test_decontamination_drops_eval_prompts():
     decontaminator = Decontaminator.from_benchmarks()
     kept = decontaminator.filter([gsm, "  " + gsm.upper() + " ", "Please help: " + humaneval, "Tell me a joke about cats."])
     assert kept == ["Tell me a joke about cats."]
+
+
+def test_optional_soft_cross_entropy_term():
+    draft_logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    target_logits = torch.log(torch.tensor([[0.8, 0.1, 0.1]]))
+    base, _ = dspark_loss(draft_logits, target_logits, torch.tensor([0]), torch.tensor([0]),
+                          ce_weight=0.0, tv_weight=1.0, bce_weight=0.0)
+    with_kl, _ = dspark_loss(draft_logits, target_logits, torch.tensor([0]), torch.tensor([0]),
+                             ce_weight=0.0, tv_weight=1.0, bce_weight=0.0, kl_weight=2.0)
+    soft = -(0.8 * math.log(0.5) + 0.1 * math.log(0.25) + 0.1 * math.log(0.25))
+    torch.testing.assert_close(with_kl - base, torch.tensor(2.0 * soft), atol=1e-5, rtol=0)

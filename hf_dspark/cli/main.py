@@ -59,6 +59,9 @@ def cmd_train(args) -> int:
         init_from_target=args.init_from_target_layers, max_length=args.max_length, batch_size=args.batch_size,
         num_anchors=args.num_anchors, learning_rate=args.learning_rate, max_steps=args.max_steps,
         save_steps=args.save_steps, warmup_ratio=args.warmup_ratio, seed=args.seed, resume=not args.no_resume,
+        loss_weights={k: v for k, v in {"ce_weight": args.ce_weight, "tv_weight": args.tv_weight,
+                                        "bce_weight": args.bce_weight, "kl_weight": args.kl_weight}.items()
+                      if v is not None},
     )
     print(json.dumps(summary))
     return 0
@@ -108,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--warmup-ratio", type=float, default=0.04)
     train.add_argument("--max-steps", type=int, default=1000)
     train.add_argument("--save-steps", type=int, default=50)
+    train.add_argument("--ce-weight", type=float, default=None, help="default 0.1 (DSpark) / 1.0 (DFlash)")
+    train.add_argument("--tv-weight", type=float, default=None, help="default 0.9 (DSpark) / 0 (DFlash)")
+    train.add_argument("--bce-weight", type=float, default=None, help="default 1.0 (DSpark) / 0 (DFlash)")
+    train.add_argument("--kl-weight", type=float, default=None, help="soft CE to the target distribution (default 0)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None)
     train.add_argument("--no-resume", action="store_true")

@@ -1,6 +1,6 @@
 """Distillation losses for drafters, on the supervised slots only.
 
-DSpark: `w_ce * CE + w_tv * TV + w_bce * BCE(confidence)`, each term weighted per slot k (0-based) by
+DSpark: `w_ce * CE + w_tv * TV + w_bce * BCE(confidence)` (+ optional `w_kl * soft CE to p_target`), each term weighted per slot k (0-based) by
 `exp(-k / decay)` and normalised by the sum of weights. TV is `||p_draft - p_target||_1` on the
 sequential-head-corrected logits; the confidence label is `1 - 0.5 * ||p_draft - p_target||_1` (detached),
 i.e. the probability that rejection sampling accepts the slot.
@@ -53,6 +53,7 @@ def dspark_loss(
     ce_weight: float = 0.1,
     tv_weight: float = 0.9,
     bce_weight: float = 1.0,
+    kl_weight: float = 0.0,
     decay: float = 4.0,
     draft_to_target: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -67,6 +68,11 @@ def dspark_loss(
     mapped = draft_labels(labels, draft_to_target, target_logits.shape[-1])
     ce = F.cross_entropy(draft_logits.float(), mapped, ignore_index=-100, reduction="none")
     loss = ce_weight * (weights * ce).sum() / total_weight + tv_weight * (weights * distance).sum() / total_weight
+    if kl_weight:
+        # Soft cross-entropy to the target distribution: strong gradients while q is far from p, and the right
+        # label on off-policy text, where the hard next token is not the target's own choice.
+        soft = -(target_probs * draft_logits.float().log_softmax(dim=-1)).sum(dim=-1)
+        loss = loss + kl_weight * (weights * soft).sum() / total_weight
     acceptance = (1.0 - 0.5 * distance).clamp(0.0, 1.0).detach()
     details = {"ce": ce.detach(), "l1": distance.detach(), "acceptance": acceptance}
     if confidence_logits is not None and bce_weight:

@@ -69,7 +69,7 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
                   num_layers: int, block_size: int, markov_rank: int, draft_vocab_size: int | None,
                   target_layer_ids: list[int] | None, init_from_target: list[int] | None, max_length: int,
                   batch_size: int, num_anchors: int, learning_rate: float, max_steps: int, save_steps: int,
-                  warmup_ratio: float, seed: int, resume: bool) -> dict:
+                  warmup_ratio: float, seed: int, resume: bool, loss_weights: dict | None = None) -> dict:
     torch.manual_seed(seed)
     output = Path(output_dir)
     dataset = assemble_dataset(tokenizer, regenerated, dataset_answers, max_length)
@@ -86,7 +86,8 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
         max_grad_norm=1.0, logging_steps=10, save_strategy="steps", save_steps=save_steps, save_total_limit=2,
         report_to=[], use_cpu=not torch.cuda.is_available(), seed=seed, dataloader_num_workers=0,
     )
-    trainer = DSparkTrainer(model=drafter, target=target, args=args, train_dataset=dataset, num_anchors=num_anchors)
+    trainer = DSparkTrainer(model=drafter, target=target, args=args, train_dataset=dataset, num_anchors=num_anchors,
+                            **(loss_weights or {}))
     started = time.perf_counter()
     has_checkpoint = resume and any((output / "trainer").glob("checkpoint-*"))
     trainer.train(resume_from_checkpoint=True if has_checkpoint else None)

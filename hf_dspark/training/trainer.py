@@ -88,13 +88,15 @@ class DSparkTrainer(Trainer):
         target: the frozen target causal LM whose embedding/LM head the drafter shares.
         num_anchors: blocks per sequence (DSpark/DFlash) or supervised rows per step and sequence (Eagle3).
         ce_weight, tv_weight, bce_weight: loss weights; default 0.1/0.9/1.0 for DSpark, 1/0/0 for DFlash.
+        kl_weight: weight of a soft cross-entropy to the target distribution (default 0: DeepSpec's recipe).
         loss_decay: slot weight `exp(-k / loss_decay)` (k from 0).
         ttt_decay: Eagle3 step weight `ttt_decay ** s`.
     """
 
     def __init__(self, model: DraftPreTrainedModel, target, args=None, train_dataset=None, eval_dataset=None, *,
                  num_anchors: int = 32, ce_weight: float | None = None, tv_weight: float | None = None,
-                 bce_weight: float | None = None, loss_decay: float = 4.0, ttt_decay: float = 0.8,
+                 bce_weight: float | None = None, kl_weight: float = 0.0, loss_decay: float = 4.0,
+                 ttt_decay: float = 0.8,
                  data_collator=None, **kwargs):
         if args is not None:
             args.remove_unused_columns = False  # our batch keys are not forward() parameters
@@ -114,6 +116,7 @@ class DSparkTrainer(Trainer):
         self.ce_weight = ce_weight if ce_weight is not None else (1.0 if is_dflash else 0.1)
         self.tv_weight = tv_weight if tv_weight is not None else (0.0 if is_dflash else 0.9)
         self.bce_weight = bce_weight if bce_weight is not None else (0.0 if is_dflash else 1.0)
+        self.kl_weight = kl_weight
         self.num_anchors, self.loss_decay, self.ttt_decay = num_anchors, loss_decay, ttt_decay
         self._sums = {"train": defaultdict(float), "eval": defaultdict(float)}
         self._blocks_seen, self._clock = 0, time.perf_counter()
@@ -160,7 +163,8 @@ class DSparkTrainer(Trainer):
         confidence = out.confidence_logits[selected] if out.confidence_logits is not None else None
         loss, details = dspark_loss(
             out.logits, target_logits, blocks.labels[selected], blocks.slot_index[selected], confidence,
-            ce_weight=self.ce_weight, tv_weight=self.tv_weight, bce_weight=self.bce_weight, decay=self.loss_decay,
+            ce_weight=self.ce_weight, tv_weight=self.tv_weight, bce_weight=self.bce_weight,
+            kl_weight=self.kl_weight, decay=self.loss_decay,
             draft_to_target=drafter.draft_to_target,
         )
         self._blocks_seen += int(valid.sum())
