@@ -143,6 +143,10 @@ def test_save_and_auto_load_round_trip(tmp_path, kind):
     assert type(loaded) is type(drafter)
     for name, tensor in drafter.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    # Non-persistent buffers (rotary frequencies) are rebuilt, not left as uninitialised memory.
+    for _ in range(3):
+        again = AutoModel.from_pretrained(tmp_path)
+        torch.testing.assert_close(again.rotary_emb.inv_freq, drafter.rotary_emb.inv_freq, rtol=0, atol=0)
     ids = prompts(1)[0]
     assert torch.equal(
         target.generate(ids, assistant_model=loaded, do_sample=False, max_new_tokens=8),

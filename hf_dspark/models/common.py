@@ -150,15 +150,17 @@ class DraftRotaryEmbedding(nn.Module):
 
     def __init__(self, config: PreTrainedConfig):
         super().__init__()
-        rope_type = config.rope_parameters.get("rope_type", "default")
-        if rope_type == "default":
-            dim = config.head_dim
-            base = config.rope_parameters["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            self.attention_scaling = 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        self.config = config
+        inv_freq, self.attention_scaling = self.compute_inv_freq()
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+
+    def compute_inv_freq(self) -> tuple[torch.Tensor, float]:
+        rope_type = self.config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            dim = self.config.head_dim
+            base = self.config.rope_parameters["rope_theta"]
+            return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        return ROPE_INIT_FUNCTIONS[rope_type](self.config)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
@@ -283,6 +285,10 @@ class DraftPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, DraftRMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, DraftRotaryEmbedding):
+            # Non-persistent buffer: from_pretrained leaves it uninitialised unless it is recomputed here.
+            with torch.no_grad():
+                module.inv_freq.copy_(module.compute_inv_freq()[0])
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
