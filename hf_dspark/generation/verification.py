@@ -51,7 +51,7 @@ def rejection_sample(
     p_of_draft = target_probs[:, :slots].gather(-1, draft_tokens[..., None]).squeeze(-1)
     q_of_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
     uniform = torch.rand(rows, slots, device=draft_tokens.device, generator=generator)
-    accepted = (uniform * q_of_draft <= p_of_draft) & drafted  # P(u <= p/q) = min(1, p/q)
+    accepted = (uniform * q_of_draft < p_of_draft) & drafted  # P(u < p/q) = min(1, p/q); p = 0 never passes
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)
 
     p_next = target_probs[row_index, num_accepted]
