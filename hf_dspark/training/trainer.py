@@ -65,13 +65,6 @@ class RegeneratedDataset(Dataset):
     def __getitem__(self, index: int) -> dict:
         return self.examples[index]
 
-    def answer_token_counts(self, vocab_size: int) -> torch.Tensor:
-        counts = torch.zeros(vocab_size, dtype=torch.long)
-        for example in self.examples:
-            answer = [t for t, m in zip(example["input_ids"], example["loss_mask"]) if m]
-            counts += torch.bincount(torch.tensor(answer), minlength=vocab_size)
-        return counts
-
 
 def most_frequent_tokens(counts: torch.Tensor, size: int, always: list[int] | tuple = ()) -> torch.Tensor:
     """Draft vocabulary: the `size` most frequent answer tokens (plus `always`, e.g. EOS), as sorted target ids."""
