@@ -82,7 +82,6 @@ class DraftCandidateGenerator(CandidateGenerator):
                 f"drafter context is out of step with the sequence: {self.context_length} rows consumed, anchor at "
                 f"{anchor_position}, {features.shape[1]} new target rows"
             )
-        self._previous_context_length = self.context_length
         self.context_length = anchor_position
         return features[:, :new_rows]
 
@@ -156,8 +155,9 @@ class Eagle3CandidateGenerator(DraftCandidateGenerator):
     drafter: Eagle3DraftModel
 
     def _context_pass(self, input_ids, features):
-        # Row t pairs the target feature at t with the token at t + 1.
-        next_tokens = input_ids[:, self._previous_context_length + 1 : self.context_length + 1]
+        # Row t pairs the target feature at t with the token at t + 1; the features are the newest rows.
+        first_row = self.context_length - features.shape[1]
+        next_tokens = input_ids[:, first_row + 1 : self.context_length + 1]
         return self.drafter(input_ids=next_tokens, target_hidden_states=features, cache=self.cache)
 
     def _consume_context_only(self, input_ids, features) -> None:

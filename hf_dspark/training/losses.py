@@ -71,7 +71,7 @@ def dspark_loss(
     if kl_weight:
         # Soft cross-entropy to the target distribution: strong gradients while q is far from p, and the right
         # label on off-policy text, where the hard next token is not the target's own choice.
-        soft = -(target_probs * draft_logits.float().log_softmax(dim=-1)).sum(dim=-1)
+        soft = _soft_cross_entropy(draft_logits, target_probs)
         loss = loss + kl_weight * (weights * soft).sum() / total_weight
     acceptance = (1.0 - 0.5 * distance).clamp(0.0, 1.0).detach()
     details = {"ce": ce.detach(), "l1": distance.detach(), "acceptance": acceptance}
@@ -88,5 +88,8 @@ def dspark_loss(
 def soft_cross_entropy(draft_logits: torch.Tensor, target_logits: torch.Tensor,
                        draft_to_target: torch.Tensor | None = None) -> torch.Tensor:
     """-sum_v p_target(v) log q(v) per row, over the draft vocabulary (p outside it cannot be matched)."""
-    target_probs = target_probs_on_draft_vocab(target_logits, draft_to_target)
+    return _soft_cross_entropy(draft_logits, target_probs_on_draft_vocab(target_logits, draft_to_target))
+
+
+def _soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     return -(target_probs * draft_logits.float().log_softmax(dim=-1)).sum(dim=-1)
