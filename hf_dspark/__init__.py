@@ -17,6 +17,7 @@ from .models import (
     Eagle3DraftConfig,
     Eagle3DraftModel,
 )
+from .models.default_target import default_target_dir, load_default_target
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,8 @@ __all__ = [
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeStats",
     "build_dflash_config",
+    "default_target_dir",
     "greedy_verify",
+    "load_default_target",
     "rejection_sample",
 ]

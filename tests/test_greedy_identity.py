@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+
+from hf_dspark.scheduling import ThroughputDraftLength, VerificationCostTable
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -163,6 +165,32 @@ def test_confidence_threshold_ends_blocks_early_and_stays_exact(threshold):
             assert length == len(confidences)
         if threshold > 1:
             assert set(stats.draft_lengths) == {0}
+
+
+def test_throughput_draft_length_admits_until_the_first_drop():
+    schedule = ThroughputDraftLength(VerificationCostTable([1.0, 1.2, 1.4, 1.6, 1.8]))
+    # T(0) = 1/1; T(1) = 1.9/1.2; T(2) = 2.35/1.4; T(3) = 2.44/1.6 < T(2): stop after two slots.
+    assert [schedule.admit(s) for s in (0.9, 0.45, 0.09)] == [True, True, False]
+    assert schedule.length == 2 and schedule.expected == pytest.approx(2.35)
+    flat = ThroughputDraftLength(VerificationCostTable([1.0] * 8))  # a GPU-like table: every slot is worth it
+    assert all(flat.admit(s) for s in (0.5, 0.1, 0.01))
+
+
+@pytest.mark.parametrize("costs", [[1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6], [1.0, 1.6, 2.2, 2.8, 3.4, 4.0, 4.6]])
+def test_throughput_schedule_stays_exact_and_follows_its_rule(costs):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, "markov", block_size=6)
+    drafter.verification_costs = VerificationCostTable(costs)
+    for ids in prompts(3):
+        expected = plain_greedy(target, ids, max_new_tokens=16)
+        actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16)
+        assert torch.equal(actual, expected)
+        stats = drafter.last_generation_stats
+        for length, confidences in zip(stats.draft_lengths, stats.confidences):
+            # Replaying the rule on the recorded confidences gives the draft length that was verified.
+            replay = ThroughputDraftLength(drafter.verification_costs)
+            survival = torch.tensor(confidences).cumprod(0).tolist()
+            assert all(replay.admit(s) for s in survival) and length == len(confidences)
 
 
 def test_plain_and_stock_assisted_generate_untouched():

@@ -8,6 +8,8 @@ import itertools
 
 import pytest
 import torch
+
+from hf_dspark.scheduling import VerificationCostTable
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from hf_dspark import rejection_sample
@@ -113,10 +115,14 @@ def assert_matches(counts: torch.Tensor, probs: torch.Tensor, biased: torch.Tens
     return expected_statistic(biased, probs, samples) / bound
 
 
-@pytest.mark.parametrize("kind", ["markov", "eagle3"])
+@pytest.mark.parametrize("kind", ["markov", "eagle3", "markov-scheduled"])
 def test_generate_sampling_matches_target_distribution(kind):
     target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None, bos_token_id=None)
-    drafter = tiny_drafter(target, kind, block_size=3)
+    drafter = tiny_drafter(target, kind.split("-")[0], block_size=3)
+    if kind.endswith("scheduled"):
+        # The first slot is drafted only when its predicted survival is at least 0.515, a choice that differs
+        # between anchors: the length varies with c_1 and must not bias what is emitted.
+        drafter.verification_costs = VerificationCostTable([1.0, 1.515])
     ids = torch.tensor([[1, 4, 2, 5]])
     temperature, top_p = 0.7, 0.9
     joint = exact_three_token_distribution(target, ids, temperature, top_p)
@@ -126,7 +132,7 @@ def test_generate_sampling_matches_target_distribution(kind):
     torch.manual_seed(2024)
     samples = 2500
     counts = torch.zeros(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB)
-    rounds_with_accepts = 0
+    rounds_with_accepts, drafted_rounds = 0, 0
     for _ in range(samples):
         # x1 comes from the prefill; x2 is a drafted slot (accepted or resampled); x3 a correction or bonus.
         out = target.generate(
@@ -136,9 +142,12 @@ def test_generate_sampling_matches_target_distribution(kind):
         x1, x2, x3 = out[0, -3:].tolist()
         counts[x1, x2, x3] += 1
         stats = drafter.last_generation_stats
-        assert stats.draft_lengths[0] == 1
+        assert stats.draft_lengths[0] == 1 or kind.endswith("scheduled")
+        drafted_rounds += stats.draft_lengths[0]
         rounds_with_accepts += stats.accepted[0]
-    assert 0.05 * samples < rounds_with_accepts < 0.95 * samples  # both accept and reject paths ran
+    assert 0.05 * drafted_rounds < rounds_with_accepts < 0.95 * drafted_rounds  # both accept and reject paths ran
+    if kind.endswith("scheduled"):
+        assert 0.05 * samples < drafted_rounds < 0.95 * samples  # the schedule both drafted and declined
 
     power = [
         assert_matches(counts.sum(2), joint.sum(2), biased.sum(2), samples),  # (x1, x2)

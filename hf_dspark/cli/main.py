@@ -47,6 +47,29 @@ def cmd_regenerate(args) -> int:
     return 0
 
 
+def default_cache_layers(target_config) -> list[int]:
+    """The layers DSpark/DFlash and Eagle3 read by default, so one cache serves all three drafters."""
+    from hf_dspark.models import DSparkDraftConfig, Eagle3DraftConfig
+
+    dspark = DSparkDraftConfig.from_target_config(target_config).target_layer_ids
+    eagle3 = Eagle3DraftConfig.from_target_config(target_config).target_layer_ids
+    return sorted(set(dspark) | set(eagle3))
+
+
+def cmd_cache(args) -> int:
+    from hf_dspark.training.recipes import assemble_dataset
+    from hf_dspark.training.target_cache import build_target_cache
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    target, tokenizer = load_target(args.target, args.dtype)
+    dataset = assemble_dataset(tokenizer, args.data or [], args.dataset_answers, args.max_length)
+    layers = args.target_layers or default_cache_layers(target.config)
+    manifest = build_target_cache(target, [dataset[i] for i in range(len(dataset))], args.output, layers,
+                                  max_tokens_per_batch=args.max_tokens_per_batch, target_name=args.target or "default")
+    print(json.dumps(manifest))
+    return 0
+
+
 def cmd_train(args) -> int:
     from hf_dspark.training.recipes import train_drafter
 
@@ -54,11 +77,11 @@ def cmd_train(args) -> int:
     target, tokenizer = load_target(args.target, args.dtype)
     summary = train_drafter(
         target, tokenizer, kind=args.kind, output_dir=args.output, regenerated=args.data or [],
-        dataset_answers=args.dataset_answers, num_layers=args.num_layers, block_size=args.block_size,
+        dataset_answers=args.dataset_answers, cache=args.cache, num_layers=args.num_layers, block_size=args.block_size,
         markov_rank=args.markov_rank, draft_vocab_size=args.draft_vocab_size, target_layer_ids=args.target_layers,
         init_from_target=args.init_from_target_layers, max_length=args.max_length, batch_size=args.batch_size,
         num_anchors=args.num_anchors, learning_rate=args.learning_rate, max_steps=args.max_steps,
-        save_steps=args.save_steps, warmup_ratio=args.warmup_ratio, seed=args.seed, resume=not args.no_resume,
+        save_steps=args.save_steps, warmup_ratio=args.warmup_ratio, max_seconds=args.max_seconds, seed=args.seed, resume=not args.no_resume,
         loss_weights={k: v for k, v in {"ce_weight": args.ce_weight, "tv_weight": args.tv_weight,
                                         "bce_weight": args.bce_weight, "kl_weight": args.kl_weight}.items()
                       if v is not None},
@@ -89,6 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--no-decontaminate", action="store_true", help="keep prompts that overlap the eval sets")
     regen.set_defaults(func=cmd_regenerate)
 
+    cache = sub.add_parser("cache", help="run the target once over the training data and store what training "
+                                         "needs (bf16, resumable), so epochs never rerun the target")
+    cache.add_argument("--output", required=True, help="cache folder (resumes if it already holds shards)")
+    cache.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
+    cache.add_argument("--dtype", default="float32", choices=DTYPES)
+    cache.add_argument("--data", nargs="*", help="folders of `hf-dspark regenerate` shards")
+    cache.add_argument("--dataset-answers", type=int, default=0,
+                       help="also cache the first N ShareGPT conversations' own answers (off-policy contexts)")
+    cache.add_argument("--max-length", type=int, default=768)
+    cache.add_argument("--target-layers", type=int, nargs="*", default=None,
+                       help="0-based target layers to store (default: those DSpark/DFlash and Eagle3 read)")
+    cache.add_argument("--max-tokens-per-batch", type=int, default=4096)
+    cache.add_argument("--threads", type=int, default=None)
+    cache.set_defaults(func=cmd_cache)
+
     train = sub.add_parser("train", help="distil a drafter against a frozen target (resumes from checkpoints)")
     train.add_argument("--kind", default="dspark", choices=["dspark", "gated", "rnn", "dflash", "eagle3"])
     train.add_argument("--output", required=True, help="folder for the drafter (and trainer checkpoints)")
@@ -97,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", nargs="*", help="folders of `hf-dspark regenerate` shards")
     train.add_argument("--dataset-answers", type=int, default=0,
                        help="also distil on the first N ShareGPT conversations' own answers (off-policy contexts)")
+    train.add_argument("--cache", default=None,
+                       help="train from a `hf-dspark cache` folder instead of running the target every step")
     train.add_argument("--num-layers", type=int, default=2)
     train.add_argument("--block-size", type=int, default=7)
     train.add_argument("--markov-rank", type=int, default=256)
@@ -110,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, default=6e-4)
     train.add_argument("--warmup-ratio", type=float, default=0.04)
     train.add_argument("--max-steps", type=int, default=1000)
+    train.add_argument("--max-seconds", type=float, default=None,
+                       help="stop (and save) after this much training time: an equal budget for every drafter")
     train.add_argument("--save-steps", type=int, default=50)
     train.add_argument("--ce-weight", type=float, default=None, help="default 0.1 (DSpark) / 1.0 (DFlash)")
     train.add_argument("--tv-weight", type=float, default=None, help="default 0.9 (DSpark) / 0 (DFlash)")

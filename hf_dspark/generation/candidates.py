@@ -16,6 +16,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..models.common import DraftContextCache, DraftPreTrainedModel
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
+from ..scheduling import ThroughputDraftLength
 from .stats import SpeculativeStats
 
 
@@ -121,6 +122,9 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
         head = self.drafter.sequential_head
         threshold = self.drafter.confidence_threshold
         has_confidence = self.drafter.confidence_proj is not None
+        schedule = None
+        if has_confidence and self.drafter.verification_costs is not None:
+            schedule = ThroughputDraftLength(self.drafter.verification_costs)
 
         previous = input_ids[:, -1]
         state = head.initial_state(1, hidden) if head is not None else None
@@ -137,6 +141,8 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
                 survival *= float(confidence)
                 # Stopping on c_1..c_k only (never on x_k itself) keeps the variable draft length lossless.
                 if threshold is not None and survival < threshold:
+                    break
+                if schedule is not None and not schedule.admit(survival):
                     break
                 self._round_confidences.append(float(confidence))
             token, processed = self._choose(logits, sequence)

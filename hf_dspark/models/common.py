@@ -254,6 +254,9 @@ class DraftPreTrainedModel(PreTrainedModel):
         """Optional static threshold: drafting stops at the first slot whose cumulative confidence falls below it."""
         self.num_draft_tokens: int | None = None
         """Draft length per round (defaults to ``config.block_size``)."""
+        self.verification_costs = None
+        """Optional `hf_dspark.scheduling.VerificationCostTable`: with a confidence head, each round drafts only
+        as many tokens as maximise expected tokens per second (`ThroughputDraftLength`)."""
         if config.draft_vocab_size is not None:
             self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=True)
         else:

@@ -12,8 +12,33 @@ With a draft vocabulary S the drafter's distribution is zero outside S, so
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass
+class TargetDistribution:
+    """The target's next-token distribution on supervised rows: `probs` on the draft vocabulary (not
+    renormalised: the rest of the mass lies outside it), or on the full vocabulary, and the target's `argmax`
+    as target ids. Built from full logits online, or from a target cache without them."""
+
+    probs: torch.Tensor
+    argmax: torch.Tensor
+
+    @classmethod
+    def from_logits(cls, target_logits: torch.Tensor, draft_to_target: torch.Tensor | None = None):
+        return cls(target_probs_on_draft_vocab(target_logits, draft_to_target), target_logits.argmax(-1))
+
+    @classmethod
+    def from_cache(cls, target_draft_logits: torch.Tensor, logsumexp: torch.Tensor, argmax: torch.Tensor):
+        """`target_draft_logits` are the target logits on the draft vocabulary, `logsumexp` over the full one."""
+        return cls((target_draft_logits.float() - logsumexp.float()[:, None]).exp(), argmax)
+
+
+def _as_distribution(target, draft_to_target) -> TargetDistribution:
+    return target if isinstance(target, TargetDistribution) else TargetDistribution.from_logits(target, draft_to_target)
 
 
 def position_weights(slot_index: torch.Tensor, decay: float) -> torch.Tensor:
@@ -34,10 +59,11 @@ def l1_distance(draft_probs: torch.Tensor, target_probs_subset: torch.Tensor) ->
     return (draft_probs - target_probs_subset).abs().sum(dim=-1) + outside
 
 
-def draft_labels(labels: torch.Tensor, draft_to_target: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+def draft_labels(labels: torch.Tensor, draft_to_target: torch.Tensor | None) -> torch.Tensor:
     """Map target-vocabulary labels into the draft vocabulary; -100 where a label is not drafted."""
     if draft_to_target is None:
         return labels
+    vocab_size = max(int(labels.max()) if labels.numel() else 0, int(draft_to_target.max())) + 1
     lookup = torch.full((vocab_size,), -100, dtype=torch.long, device=labels.device)
     lookup[draft_to_target] = torch.arange(draft_to_target.numel(), device=labels.device)
     return lookup[labels]
@@ -45,7 +71,7 @@ def draft_labels(labels: torch.Tensor, draft_to_target: torch.Tensor | None, voc
 
 def dspark_loss(
     draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
+    target: torch.Tensor | TargetDistribution,
     labels: torch.Tensor,
     slot_index: torch.Tensor,
     confidence_logits: torch.Tensor | None = None,
@@ -57,15 +83,17 @@ def dspark_loss(
     decay: float = 4.0,
     draft_to_target: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """All inputs are per supervised slot: draft_logits (N, V_draft), target_logits (N, V), labels (N,) target ids,
+    """All inputs are per supervised slot: draft_logits (N, V_draft), target logits (N, V) or a
+    `TargetDistribution`, labels (N,) target ids,
     slot_index (N,), confidence_logits (N,). Returns (loss, detached per-slot quantities for logging)."""
     weights = position_weights(slot_index, decay)
     total_weight = weights.sum().clamp_min(1e-8)
     draft_probs = draft_logits.float().softmax(dim=-1)
-    target_probs = target_probs_on_draft_vocab(target_logits, draft_to_target)
+    target = _as_distribution(target, draft_to_target)
+    target_probs = target.probs
     distance = l1_distance(draft_probs, target_probs)
 
-    mapped = draft_labels(labels, draft_to_target, target_logits.shape[-1])
+    mapped = draft_labels(labels, draft_to_target)
     ce = F.cross_entropy(draft_logits.float(), mapped, ignore_index=-100, reduction="none")
     loss = ce_weight * (weights * ce).sum() / total_weight + tv_weight * (weights * distance).sum() / total_weight
     if kl_weight:
@@ -81,14 +109,14 @@ def dspark_loss(
         details["bce"] = bce.detach()
         details["confidence"] = torch.sigmoid(confidence_logits.detach().float())
     full_draft_argmax = draft_logits.argmax(-1) if draft_to_target is None else draft_to_target[draft_logits.argmax(-1)]
-    details["top1"] = (full_draft_argmax == target_logits.argmax(-1)).float()
+    details["top1"] = (full_draft_argmax == target.argmax).float()
     return loss, details
 
 
-def soft_cross_entropy(draft_logits: torch.Tensor, target_logits: torch.Tensor,
+def soft_cross_entropy(draft_logits: torch.Tensor, target: torch.Tensor | TargetDistribution,
                        draft_to_target: torch.Tensor | None = None) -> torch.Tensor:
     """-sum_v p_target(v) log q(v) per row, over the draft vocabulary (p outside it cannot be matched)."""
-    return _soft_cross_entropy(draft_logits, target_probs_on_draft_vocab(target_logits, draft_to_target))
+    return _soft_cross_entropy(draft_logits, _as_distribution(target, draft_to_target).probs)
 
 
 def _soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:

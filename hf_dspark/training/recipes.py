@@ -14,6 +14,8 @@ from transformers import TrainingArguments
 from ..models import DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig, Eagle3DraftModel
 from .data import Decontaminator, answer_examples, sharegpt_path
 from .init import init_layers_from_target
+from .budget import TimeBudgetCallback
+from .target_cache import TargetCacheDataset
 from .trainer import DSparkTrainer, RegeneratedDataset, most_frequent_tokens
 
 
@@ -60,40 +62,47 @@ def answer_token_counts(dataset, vocab_size: int) -> torch.Tensor:
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for index in range(len(dataset)):
         example = dataset[index]
-        answer = [t for t, m in zip(example["input_ids"], example["loss_mask"]) if m]
-        counts += torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=vocab_size)
+        answer = torch.as_tensor(example["input_ids"], dtype=torch.long)[torch.as_tensor(example["loss_mask"]) > 0]
+        counts += torch.bincount(answer, minlength=vocab_size)
     return counts
 
 
 def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated: list[str], dataset_answers: int,
-                  num_layers: int, block_size: int, markov_rank: int, draft_vocab_size: int | None,
+                  cache: str | None = None, max_seconds: float | None = None, num_layers: int, block_size: int, markov_rank: int, draft_vocab_size: int | None,
                   target_layer_ids: list[int] | None, init_from_target: list[int] | None, max_length: int,
                   batch_size: int, num_anchors: int, learning_rate: float, max_steps: int, save_steps: int,
                   warmup_ratio: float, seed: int, resume: bool, loss_weights: dict | None = None) -> dict:
     torch.manual_seed(seed)
     output = Path(output_dir)
-    dataset = assemble_dataset(tokenizer, regenerated, dataset_answers, max_length)
     drafter = build_drafter(kind, target, num_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
                             draft_vocab_size=draft_vocab_size, target_layer_ids=target_layer_ids)
+    if cache:
+        dataset = TargetCacheDataset(cache, layer_ids=drafter.config.target_layer_ids)
+    else:
+        dataset = assemble_dataset(tokenizer, regenerated, dataset_answers, max_length)
     if draft_vocab_size:
         counts = answer_token_counts(dataset, target.config.vocab_size)
         drafter.set_draft_vocab(most_frequent_tokens(counts, draft_vocab_size, always=[tokenizer.eos_token_id]))
     if init_from_target:
         init_layers_from_target(drafter, target, init_from_target)
+    warmup_steps = max(1, int(warmup_ratio * max_steps))
+    callbacks = [TimeBudgetCallback(max_seconds, warmup_steps=warmup_steps)] if max_seconds else []
     args = TrainingArguments(
         output_dir=str(output / "trainer"), per_device_train_batch_size=batch_size, max_steps=max_steps,
-        learning_rate=learning_rate, warmup_steps=max(1, int(warmup_ratio * max_steps)), lr_scheduler_type="cosine", weight_decay=0.0,
-        max_grad_norm=1.0, logging_steps=10, save_strategy="steps", save_steps=save_steps, save_total_limit=2,
+        learning_rate=learning_rate, warmup_steps=0 if max_seconds else warmup_steps,
+        lr_scheduler_type="constant" if max_seconds else "cosine", weight_decay=0.0,
+        max_grad_norm=1.0, logging_steps=10, restore_callback_states_from_checkpoint=True, save_strategy="steps", save_steps=save_steps, save_total_limit=2,
         report_to=[], use_cpu=not torch.cuda.is_available(), seed=seed, dataloader_num_workers=0,
     )
     trainer = DSparkTrainer(model=drafter, target=target, args=args, train_dataset=dataset, num_anchors=num_anchors,
-                            **(loss_weights or {}))
+                            callbacks=callbacks, **(loss_weights or {}))
     started = time.perf_counter()
     has_checkpoint = resume and any((output / "trainer").glob("checkpoint-*"))
     trainer.train(resume_from_checkpoint=True if has_checkpoint else None)
     seconds = time.perf_counter() - started
     drafter.save_pretrained(output)
     summary = {"kind": kind, "examples": len(dataset), "steps": trainer.state.global_step, "train_seconds": seconds,
+               "budget_seconds": callbacks[0].elapsed if callbacks else None,
                "answer_tokens": int(sum(sum(dataset[i]["loss_mask"]) for i in range(len(dataset))))}
     (output / "training_summary.json").write_text(json.dumps(summary, indent=2))
     with open(output / "training_log.jsonl", "w") as handle:

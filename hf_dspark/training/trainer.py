@@ -1,8 +1,9 @@
 """`DSparkTrainer`: online distillation of DSpark / DFlash / Eagle3 drafters against a frozen target.
 
-Every step runs the frozen target once over the batch (no hidden-state cache needed), samples anchors inside the
-answers, and trains the drafter on packed blocks (DSpark/DFlash) or on unrolled training-time-test steps (Eagle3).
-Only drafter parameters train; the embedding and LM head are the target's.
+By default every step runs the frozen target once over the batch (online distillation: no cache needed); with a
+`TargetCacheDataset` the target's outputs come from disk instead and the target never runs. It samples anchors
+inside the answers and trains the drafter on packed blocks (DSpark/DFlash) or on unrolled training-time-test steps
+(Eagle3). Only drafter parameters train; the embedding and LM head are the target's.
 """
 
 from __future__ import annotations
@@ -17,31 +18,37 @@ from transformers import Trainer
 from ..models.common import DraftContextCache, DraftPreTrainedModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
 from .blocks import build_blocks, sample_anchors
-from .losses import dspark_loss, soft_cross_entropy, target_probs_on_draft_vocab, l1_distance
+from .losses import TargetDistribution, dspark_loss, l1_distance, soft_cross_entropy
 from .regenerate import iter_regenerated
 
 
 class DraftDataCollator:
-    """Right-pads `input_ids` / `loss_mask` examples into a batch with an attention mask."""
+    """Right-pads `input_ids` / `loss_mask` examples into a batch with an attention mask; cached `target_*`
+    tensors (from a `TargetCacheDataset`) are padded with zeros alongside."""
 
     def __init__(self, pad_token_id: int = 0, max_length: int | None = None):
         self.pad_token_id = pad_token_id
         self.max_length = max_length
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        cut = lambda seq: list(seq)[: self.max_length] if self.max_length else list(seq)  # noqa: E731
-        ids = [cut(e["input_ids"]) for e in examples]
-        masks = [cut(e["loss_mask"]) for e in examples]
+        cut = lambda seq: torch.as_tensor(seq)[: self.max_length] if self.max_length else torch.as_tensor(seq)  # noqa: E731
+        ids = [cut(e["input_ids"]).long() for e in examples]
         width = max(len(i) for i in ids)
         batch = {
             "input_ids": torch.full((len(ids), width), self.pad_token_id, dtype=torch.long),
             "loss_mask": torch.zeros(len(ids), width, dtype=torch.long),
             "attention_mask": torch.zeros(len(ids), width, dtype=torch.long),
         }
-        for row, (i, m) in enumerate(zip(ids, masks)):
-            batch["input_ids"][row, : len(i)] = torch.tensor(i)
-            batch["loss_mask"][row, : len(m)] = torch.tensor(m)
+        for row, (i, example) in enumerate(zip(ids, examples)):
+            batch["input_ids"][row, : len(i)] = i
+            batch["loss_mask"][row, : len(i)] = cut(example["loss_mask"]).long()
             batch["attention_mask"][row, : len(i)] = 1
+        for key in [k for k in examples[0] if k.startswith("target_")]:
+            values = [cut(e[key]) for e in examples]
+            padded = values[0].new_zeros((len(values), width, *values[0].shape[1:]))
+            for row, value in enumerate(values):
+                padded[row, : len(value)] = value
+            batch[key] = padded
         return batch
 
 
@@ -78,7 +85,8 @@ class DSparkTrainer(Trainer):
 
     Args:
         model: a `DSparkDraftModel` (DSpark or DFlash) or `Eagle3DraftModel`.
-        target: the frozen target causal LM whose embedding/LM head the drafter shares.
+        target: the frozen target causal LM whose embedding/LM head the drafter shares. May be None when the
+            training data is a `TargetCacheDataset` and the drafter already has the target attached.
         num_anchors: blocks per sequence (DSpark/DFlash) or supervised rows per step and sequence (Eagle3).
         ce_weight, tv_weight, bce_weight: loss weights; default 0.1/0.9/1.0 for DSpark, 1/0/0 for DFlash.
         kl_weight: weight of a soft cross-entropy to the target distribution (default 0: DeepSpec's recipe).
@@ -94,17 +102,23 @@ class DSparkTrainer(Trainer):
         if args is not None:
             args.remove_unused_columns = False  # our batch keys are not forward() parameters
         if data_collator is None:
-            pad = target.config.get_text_config().pad_token_id
+            pad = target.config.get_text_config().pad_token_id if target is not None else None
             data_collator = DraftDataCollator(pad if pad is not None else 0)
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, **kwargs)
         drafter = self._drafter(model)
-        drafter.attach_target(target)
-        self.target = target.eval().requires_grad_(False)
-        if self.accelerator.num_processes > 1:
-            self.target = self.accelerator.prepare_model(self.target, evaluation_mode=True)
+        if target is not None:
+            drafter.attach_target(target)
+            target = target.eval().requires_grad_(False)
+            if self.accelerator.num_processes > 1:
+                target = self.accelerator.prepare_model(target, evaluation_mode=True)
+        elif drafter._target_heads is None:
+            raise ValueError("DSparkTrainer needs `target=`, or a drafter with `attach_target(target)` already "
+                             "called and a TargetCacheDataset as training data")
+        self.target = target
         self.target_layers = drafter.target_hidden_state_indices
-        self.final_layer = target.config.get_text_config().num_hidden_layers  # post-norm state
+        # index of the post-norm final state in `hidden_states` (online mode only)
+        self.final_layer = target.config.get_text_config().num_hidden_layers if target is not None else None
         is_dflash = getattr(drafter.config, "is_dflash", False)
         self.ce_weight = ce_weight if ce_weight is not None else (1.0 if is_dflash else 0.1)
         self.tv_weight = tv_weight if tv_weight is not None else (0.0 if is_dflash else 0.9)
@@ -123,20 +137,35 @@ class DSparkTrainer(Trainer):
     @torch.no_grad()
     def target_features(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(concatenated target layer outputs (B, L, n*d), post-norm final states (B, L, d))."""
+        if "target_features" in inputs:
+            return inputs["target_features"], inputs["target_final"]
+        if self.target is None:
+            raise ValueError("this batch has no cached target outputs and the trainer has no target")
         out = self.target(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                           output_hidden_states=self.target_layers + [self.final_layer], use_cache=False,
                           logits_to_keep=1)
         features = torch.cat([out.hidden_states[i] for i in self.target_layers], dim=-1)
         return features, out.hidden_states[self.final_layer]
 
-    def target_logits(self, final_states: torch.Tensor) -> torch.Tensor:
-        return self.target.get_output_embeddings()(final_states).float()
+    @torch.no_grad()
+    def target_distribution(self, drafter, inputs: dict, final: torch.Tensor, rows: torch.Tensor,
+                            positions: torch.Tensor) -> TargetDistribution:
+        """The target's next-token distribution after (row, position) pairs: from the cached log-partition and
+        argmax (only the draft-vocabulary rows of the LM head are evaluated), or from full logits online."""
+        states = final[rows, positions]
+        if "target_logsumexp" in inputs:
+            draft_logits = drafter.compute_logits(states.to(drafter.dtype))
+            return TargetDistribution.from_cache(draft_logits, inputs["target_logsumexp"][rows, positions],
+                                                 inputs["target_argmax"][rows, positions])
+        logits = drafter.target_heads.lm_head(states).float()
+        return TargetDistribution.from_logits(logits, drafter.draft_to_target)
 
     # -- losses -------------------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         drafter = self._drafter(model)
         features, final = self.target_features(inputs)
+        features = features.to(drafter.dtype)
         step = self._eagle3_loss if isinstance(drafter, Eagle3DraftModel) else self._block_loss
         loss, details, slots = step(model, drafter, inputs, features, final)
         self._record("train" if model.training else "eval", details, slots)
@@ -152,10 +181,10 @@ class DSparkTrainer(Trainer):
                     attention_mask=blocks.attention_mask, previous_token_ids=blocks.previous_token_ids,
                     logits_mask=selected)
         rows = torch.arange(selected.shape[0], device=selected.device)[:, None].expand_as(selected)[selected]
-        target_logits = self.target_logits(final[rows, blocks.position_ids[selected]])
+        target = self.target_distribution(drafter, inputs, final, rows, blocks.position_ids[selected])
         confidence = out.confidence_logits[selected] if out.confidence_logits is not None else None
         loss, details = dspark_loss(
-            out.logits, target_logits, blocks.labels[selected], blocks.slot_index[selected], confidence,
+            out.logits, target, blocks.labels[selected], blocks.slot_index[selected], confidence,
             ce_weight=self.ce_weight, tv_weight=self.tv_weight, bce_weight=self.bce_weight,
             kl_weight=self.kl_weight, decay=self.loss_decay,
             draft_to_target=drafter.draft_to_target,
@@ -194,18 +223,17 @@ class DSparkTrainer(Trainer):
             if not chosen.any():
                 continue
             position = torch.nonzero(chosen)
-            target_logits = self.target_logits(final[position[:, 0], position[:, 1] + 1])
+            target = self.target_distribution(drafter, inputs, final, position[:, 0], position[:, 1] + 1)
             step_weight = self.ttt_decay**step
-            total = total + step_weight * soft_cross_entropy(out.logits, target_logits, drafter.draft_to_target).sum()
+            total = total + step_weight * soft_cross_entropy(out.logits, target).sum()
             weight_sum += step_weight * int(chosen.sum())
             with torch.no_grad():
-                distance = l1_distance(out.logits.float().softmax(-1),
-                                       target_probs_on_draft_vocab(target_logits, drafter.draft_to_target))
+                distance = l1_distance(out.logits.float().softmax(-1), target.probs)
                 argmax = out.logits.argmax(-1)
                 if drafter.draft_to_target is not None:
                     argmax = drafter.draft_to_target[argmax]
             details_all["acceptance"].append((1 - 0.5 * distance).clamp(0, 1))
-            details_all["top1"].append((argmax == target_logits.argmax(-1)).float())
+            details_all["top1"].append((argmax == target.argmax).float())
             slots_all.append(torch.full((int(chosen.sum()),), step, device=device))
         if weight_sum == 0:
             return sum(p.sum() * 0.0 for p in model.parameters() if p.requires_grad), {}, torch.zeros(0)
