@@ -233,3 +233,15 @@ def test_impossible_settings_are_refused():
     mask[0, 0] = 0
     with pytest.raises(ValueError, match="padding"):
         target.generate(padded, attention_mask=mask, assistant_model=drafter, max_new_tokens=4)
+
+
+def test_sequential_head_is_indexed_by_the_draft_vocabulary():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", draft_vocab_size=24)
+    drafter.set_draft_vocab(torch.arange(40, 64))
+    head = drafter.sequential_head
+    assert head.token_embedding.num_embeddings == 25 and head.output.out_features == 24
+    rows = drafter.head_rows(torch.tensor([40, 63, 5, 95]))
+    assert rows.tolist() == [0, 23, 24, 24]  # tokens outside the draft vocabulary share the last row
+    drafter.set_draft_vocab(torch.arange(0, 24))
+    assert drafter.head_rows(torch.tensor([5, 40])).tolist() == [5, 24]  # the lookup follows a new vocabulary

@@ -134,7 +134,8 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
             logits = base_logits[slot : slot + 1]
             previous_embedding = None
             if head is not None:
-                mixed, previous_embedding, state = head.step(hidden[slot : slot + 1], previous, state)
+                mixed, previous_embedding, state = head.step(hidden[slot : slot + 1], self.drafter.head_rows(previous),
+                                                             state)
                 logits = logits + head.output(mixed).to(logits.dtype)
             if has_confidence:
                 confidence = torch.sigmoid(self.drafter.confidence_logit(hidden[slot : slot + 1], previous_embedding))

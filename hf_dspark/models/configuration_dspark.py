@@ -47,6 +47,8 @@ class DSparkDraftConfig(PreTrainedConfig):
             each slot's logits: `"markov"` (low-rank bigram), `"gated"` (bigram gated by the slot's hidden
             state), `"rnn"` (a gated recurrent state carried across slots), or `None` (DFlash).
         markov_rank (`int`): Rank r of the sequential head's token embedding W1 (V x r) and output W2 (r x V).
+            With a draft vocabulary both are indexed by it (W1 has one more row shared by every token outside
+            it), which keeps the head, and the checkpoint, small.
         confidence_head (`bool`): Predict, per slot, the probability that the slot is accepted given that its
             prefix was (sigmoid of a linear map of `[h_k ; W1[x_{k-1}]]`).
         draft_vocab_size (`int`, *optional*): Draft over only this many target tokens (the most frequent in

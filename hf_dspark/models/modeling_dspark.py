@@ -125,7 +125,9 @@ class DSparkSequentialHead(nn.Module):
         super().__init__()
         self.kind = config.markov_head
         self.rank = config.markov_rank
-        self.token_embedding = nn.Embedding(config.vocab_size, self.rank)
+        # Rows: draft-vocabulary tokens plus one shared row for tokens outside it, or every target token.
+        rows = config.draft_vocab_size + 1 if config.draft_vocab_size else config.vocab_size
+        self.token_embedding = nn.Embedding(rows, self.rank)
         self.output = nn.Linear(self.rank, config.draft_vocab_size or config.vocab_size, bias=False)
         if self.kind == "gated":
             self.gate = nn.Linear(config.hidden_size + self.rank, self.rank)
@@ -140,7 +142,8 @@ class DSparkSequentialHead(nn.Module):
     def step(
         self, hidden: torch.Tensor, previous_tokens: torch.Tensor, state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One slot. ``hidden`` (N, d), ``previous_tokens`` (N,) -> (z (N, r) with bias = W2(z), W1[x_{k-1}], state)."""
+        """One slot. ``hidden`` (N, d), ``previous_tokens`` (N,) rows of W1 (see `DSparkDraftModel.head_rows`)
+        -> (z (N, r) with bias = W2(z), W1[x_{k-1}], state)."""
         previous = self.token_embedding(previous_tokens).to(hidden.dtype)
         if self.kind == "markov":
             mixed = previous
@@ -286,9 +289,22 @@ class DSparkDraftModel(DraftPreTrainedModel):
         batch, length, width = hidden_states.shape
         block = self.config.block_size if length % self.config.block_size == 0 else length
         mixed, previous = self.sequential_head(
-            hidden_states.reshape(-1, block, width), previous_token_ids.reshape(-1, block)
+            hidden_states.reshape(-1, block, width), self.head_rows(previous_token_ids).reshape(-1, block)
         )
         return mixed.reshape(batch, length, -1), previous.reshape(batch, length, -1)
+
+    def head_rows(self, token_ids: torch.LongTensor) -> torch.LongTensor:
+        """Rows of the sequential head's W1 for target token ids: their draft-vocabulary index, or the shared
+        out-of-vocabulary row, when the drafter has a draft vocabulary; the ids themselves otherwise."""
+        if self.draft_to_target is None:
+            return token_ids
+        key = (self.draft_to_target.data_ptr(), self.draft_to_target._version, token_ids.device)
+        if getattr(self, "_head_rows_key", None) != key:
+            size = self.config.draft_vocab_size
+            lookup = torch.full((self.config.vocab_size,), size, dtype=torch.long, device=token_ids.device)
+            lookup[self.draft_to_target.to(token_ids.device)] = torch.arange(size, device=token_ids.device)
+            self._head_rows_lookup, self._head_rows_key = lookup, key
+        return self._head_rows_lookup[token_ids]
 
 
 __all__ = ["DSparkDraftModel", "DSparkDraftOutput"]

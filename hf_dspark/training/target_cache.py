@@ -17,10 +17,12 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
@@ -145,7 +147,8 @@ def _cache_shard(target, examples, hidden_indices, max_tokens_per_batch, bar) ->
 class TargetCacheDataset(Dataset):
     """Examples of a target cache: `input_ids`, `loss_mask` and the cached `target_*` tensors, for `DSparkTrainer`.
 
-    Everything is loaded into memory once (the size is printed). `layer_ids` picks the drafter's target layers
+    The shards are memory-mapped read-only, so several trainers on one machine share a single copy in the page
+    cache. `layer_ids` picks the drafter's target layers
     out of the cached ones (one cache can serve drafters that read different layers, e.g. DSpark and Eagle3);
     a layer that was not cached is refused.
     """
@@ -166,10 +169,10 @@ class TargetCacheDataset(Dataset):
         if missing:
             raise FileNotFoundError(f"{cache} is incomplete ({len(missing)} of {count} shards missing); "
                                     "rerun the same `hf-dspark cache` command to finish it.")
-        self.shards = [load_file(str(cache / f"shard-{i:05d}.safetensors")) for i in range(count)]
+        self.shards = [_map_safetensors(cache / f"shard-{i:05d}.safetensors") for i in range(count)]
         self.index = [(s, j) for s, shard in enumerate(self.shards) for j in range(len(shard["offsets"]) - 1)]
         size = sum(t.numel() * t.element_size() for shard in self.shards for t in shard.values())
-        print(f"target cache {cache}: {len(self.index)} examples, {size / 2**30:.2f} GiB in memory")
+        print(f"target cache {cache}: {len(self.index)} examples, {size / 2**30:.2f} GiB memory-mapped")
 
     def __len__(self) -> int:
         return len(self.index)
@@ -190,3 +193,28 @@ class TargetCacheDataset(Dataset):
             "target_logsumexp": shard["logsumexp"][lo:hi],
             "target_argmax": shard["argmax"][lo:hi].long(),
         }
+
+
+_DTYPES = {"BF16": (np.uint16, torch.bfloat16), "F32": (np.float32, None), "I64": (np.int64, None),
+           "I32": (np.int32, None), "I8": (np.int8, None)}
+
+
+def _map_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Read-only memory map of a safetensors file's tensors (no copy; bfloat16 is viewed through uint16)."""
+    with open(path, "rb") as handle:
+        header_length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_length))
+    header.pop("__metadata__", None)
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_length)
+    tensors = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: unexpected dtype {info['dtype']} for {name}; rebuild the cache")
+        storage, view_as = _DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        array = raw[start:end].view(storage).reshape(info["shape"])
+        with warnings.catch_warnings():  # the mapping is read-only on purpose: nothing writes into the cache
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(array)
+        tensors[name] = tensor.view(view_as) if view_as is not None else tensor
+    return tensors
