@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--threads", type=int, default=None)
     train.add_argument("--no-resume", action="store_true")
     train.set_defaults(func=cmd_train)
+    from hf_dspark.cli.bench import add_parser as add_bench
+    from hf_dspark.cli.generate import add_parser as add_generate
+
+    add_generate(sub, list(DTYPES))
+    add_bench(sub, list(DTYPES))
     return parser
 
 

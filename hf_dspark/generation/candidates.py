@@ -9,6 +9,8 @@ uses the very distribution the tokens were sampled from.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -117,7 +119,10 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
         self._backbone(input_ids, features)
 
     def _draft(self, input_ids, features, budget):
+        started = time.perf_counter()
         out = self._backbone(input_ids, features)
+        backbone_done = time.perf_counter()
+        self.stats.add_seconds("backbone", backbone_done - started)
         hidden, base_logits = out.last_hidden_state[0], out.base_logits[0]
         head = self.drafter.sequential_head
         threshold = self.drafter.confidence_threshold
@@ -151,6 +156,7 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
             processed_logits.append(processed)
             sequence = torch.cat([sequence, token], dim=-1)
             previous = token[:, 0]
+        self.stats.add_seconds("sequential_head", time.perf_counter() - backbone_done)
         if not tokens:
             return input_ids.new_zeros(1, 0), None
         return torch.cat(tokens, dim=-1), torch.stack(processed_logits, dim=1)
@@ -171,6 +177,7 @@ class Eagle3CandidateGenerator(DraftCandidateGenerator):
         self._context_pass(input_ids, features)
 
     def _draft(self, input_ids, features, budget):
+        started = time.perf_counter()
         out = self._context_pass(input_ids, features)
         logits, state = out.logits[:, -1], out.hidden_states[:, -1:]
         sequence, tokens, processed_logits = input_ids, [], []
@@ -183,6 +190,7 @@ class Eagle3CandidateGenerator(DraftCandidateGenerator):
                 out = self.drafter(input_ids=token, hidden_states=state, cache=self.cache)
                 logits, state = out.logits[:, -1], out.hidden_states
         self.cache.crop(self.context_length)  # drafted rows were built on the drafter's own states
+        self.stats.add_seconds("drafting", time.perf_counter() - started)
         return torch.cat(tokens, dim=-1), torch.stack(processed_logits, dim=1)
 
 

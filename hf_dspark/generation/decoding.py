@@ -7,6 +7,7 @@ EOS, `max_new_tokens` and custom criteria stop exactly where plain decoding woul
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -134,9 +135,11 @@ def speculative_decoding(
 
         candidates, draft_logits = generator.get_candidates(sequence, model_outputs=outputs, n_last_matches=num_accepted)
         draft_tokens = candidates[:, sequence.shape[1] :]
+        started = time.perf_counter()
         outputs, target_logits = _target_forward(
             target, candidates[:, sequence.shape[1] - 1 :], cache, layer_indices, keep=draft_tokens.shape[1] + 1
         )
+        generator.stats.add_seconds("verification", time.perf_counter() - started)
 
     if streamer is not None:
         streamer.end()

@@ -17,6 +17,12 @@ class SpeculativeStats:
     draft_lengths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     confidences: list[list[float]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time per phase summed over rounds: `verification` (target forwards), `backbone` (DSpark/DFlash
+    parallel pass), `sequential_head` (slot-by-slot head, confidence and sampling), `drafting` (Eagle3 steps)."""
+
+    def add_seconds(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
     def record(self, draft_length: int, accepted: int, confidences: list[float] | None = None) -> None:
         self.draft_lengths.append(int(draft_length))
@@ -49,8 +55,12 @@ class SpeculativeStats:
         return rates
 
     def merge(self, other: "SpeculativeStats") -> "SpeculativeStats":
+        seconds = dict(self.seconds)
+        for phase, value in other.seconds.items():
+            seconds[phase] = seconds.get(phase, 0.0) + value
         return SpeculativeStats(
             self.draft_lengths + other.draft_lengths,
             self.accepted + other.accepted,
             self.confidences + other.confidences,
+            seconds,
         )

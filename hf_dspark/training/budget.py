@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from pathlib import Path
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -13,9 +15,20 @@ class TimeBudgetCallback(TrainerCallback, ExportableState):
     """Stops training once `max_seconds` of training time have been spent and anneals the learning rate on a
     cosine over that time (after `warmup_steps` linear steps), instead of over `max_steps`.
 
-    The spent time is saved in checkpoints, so a resumed run continues the same schedule and budget. Use it with
+    The spent time is saved in checkpoints (`trainer_state.json`); pass `elapsed=spent_seconds(checkpoint)` when
+    resuming to continue the schedule, with the same or a larger `max_seconds`. Use it with
     `lr_scheduler_type="constant"`: this callback sets every parameter group's learning rate before each step.
     """
+
+    @staticmethod
+    def spent_seconds(checkpoint_dir) -> float:
+        """Training seconds recorded in a Trainer checkpoint by this callback (0 if none)."""
+        path = Path(checkpoint_dir) / "trainer_state.json"
+        if not path.is_file():
+            return 0.0
+        stored = json.loads(path.read_text()).get("stateful_callbacks", {}).get("TimeBudgetCallback", {})
+        stored = stored[0] if isinstance(stored, list) and stored else stored
+        return float(stored.get("args", {}).get("elapsed", 0.0)) if isinstance(stored, dict) else 0.0
 
     def __init__(self, max_seconds: float, warmup_steps: int = 0, min_ratio: float = 0.0, elapsed: float = 0.0):
         if max_seconds <= 0:

@@ -86,18 +86,22 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
     if init_from_target:
         init_layers_from_target(drafter, target, init_from_target)
     warmup_steps = max(1, int(warmup_ratio * max_steps))
-    callbacks = [TimeBudgetCallback(max_seconds, warmup_steps=warmup_steps)] if max_seconds else []
+    checkpoints = sorted((output / "trainer").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    has_checkpoint = resume and bool(checkpoints)
+    callbacks = []
+    if max_seconds:
+        spent = TimeBudgetCallback.spent_seconds(checkpoints[-1]) if has_checkpoint else 0.0
+        callbacks.append(TimeBudgetCallback(max_seconds, warmup_steps=warmup_steps, elapsed=spent))
     args = TrainingArguments(
         output_dir=str(output / "trainer"), per_device_train_batch_size=batch_size, max_steps=max_steps,
         learning_rate=learning_rate, warmup_steps=0 if max_seconds else warmup_steps,
         lr_scheduler_type="constant" if max_seconds else "cosine", weight_decay=0.0,
-        max_grad_norm=1.0, logging_steps=10, restore_callback_states_from_checkpoint=True, save_strategy="steps", save_steps=save_steps, save_total_limit=2,
+        max_grad_norm=1.0, logging_steps=10, save_strategy="steps", save_steps=save_steps, save_total_limit=2,
         report_to=[], use_cpu=not torch.cuda.is_available(), seed=seed, dataloader_num_workers=0,
     )
     trainer = DSparkTrainer(model=drafter, target=target, args=args, train_dataset=dataset, num_anchors=num_anchors,
                             callbacks=callbacks, **(loss_weights or {}))
     started = time.perf_counter()
-    has_checkpoint = resume and any((output / "trainer").glob("checkpoint-*"))
     trainer.train(resume_from_checkpoint=True if has_checkpoint else None)
     seconds = time.perf_counter() - started
     drafter.save_pretrained(output)

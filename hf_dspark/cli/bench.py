@@ -1,0 +1,79 @@
+"""`hf-dspark bench`: plain vs prompt lookup vs drafters, side by side in one run, written to a results file."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def cmd_bench(args) -> int:
+    from hf_dspark.cli.generate import cost_table_for, load_drafter, shipped_drafter_path
+    from hf_dspark.cli.main import load_target
+    from hf_dspark.evaluation.speed import held_out_prompts, markdown_table, run_speed_benchmark
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.drafters:
+        named = dict(item.split("=", 1) for item in args.drafters)
+    else:
+        named = {kind: str(shipped_drafter_path(kind)) for kind in ("dspark", "dflash", "eagle3")}
+    prompts = held_out_prompts(args.benchmarks, args.prompts_per_benchmark)
+    command = "hf-dspark bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    report = [f"# hf-dspark bench ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
+              f"Command: `{command}`", "",
+              f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
+              f"torch {torch.__version__}. Prompts: {len(prompts)} held-out first turns "
+              f"({', '.join(args.benchmarks)}; {args.prompts_per_benchmark} each), batch 1, "
+              f"{args.max_new_tokens} new tokens. Methods run interleaved prompt by prompt.", ""]
+    raw = {}
+    for dtype in args.dtypes:
+        target, tokenizer = load_target(args.target, dtype)
+        drafters = {}
+        for label, path in named.items():
+            drafter = load_drafter(path, target.dtype)
+            drafter.attach_target(target)
+            drafters[label] = drafter
+            if args.schedule and getattr(drafter, "confidence_proj", None) is not None:
+                scheduled = load_drafter(path, target.dtype)
+                scheduled.attach_target(target)
+                scheduled.verification_costs = cost_table_for(target, scheduled, args.target or "smollm2-135m-instruct")
+                drafters[f"{label}+schedule"] = scheduled
+        for temperature in args.temperatures:
+            title = f"{dtype}, {'greedy' if temperature == 0 else f'T={temperature:g}'}"
+            print(f"== {title}", file=sys.stderr, flush=True)
+            summaries = run_speed_benchmark(target, tokenizer, drafters, prompts, max_new_tokens=args.max_new_tokens,
+                                            temperature=temperature, seed=args.seed,
+                                            log=lambda line: print(line, file=sys.stderr, flush=True))
+            raw[title] = summaries
+            report.append(markdown_table(summaries, title))
+            print(report[-1], flush=True)
+    report += ["", "Raw summaries:", "", "```json", json.dumps(raw, indent=1), "```", ""]
+    if args.output:
+        Path(args.output).write_text("\n".join(report))
+        print(f"written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub, dtypes) -> None:
+    bench = sub.add_parser("bench", help="speed benchmark: plain, prompt lookup and drafters side by side")
+    bench.add_argument("--drafters", nargs="*", default=None,
+                       help="LABEL=PATH drafters (default: the shipped dspark, dflash and eagle3 drafters)")
+    bench.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
+    bench.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=dtypes)
+    bench.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    bench.add_argument("--benchmarks", nargs="+", default=["gsm8k", "math500", "humaneval", "mbpp", "mt-bench",
+                                                            "alpaca"])
+    bench.add_argument("--prompts-per-benchmark", type=int, default=1)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--schedule", action="store_true",
+                       help="also run each confidence-headed drafter with the throughput-scheduled draft length")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--output", default=None, help="write the markdown report here (e.g. benchmarks/...md)")
+    bench.set_defaults(func=cmd_bench)

@@ -1,0 +1,132 @@
+"""`hf-dspark generate`: stream an answer with speculative decoding, print tokens/s and tau (and the speed-up)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModel, TextStreamer
+
+SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"
+
+
+def shipped_drafter_path(kind: str = "dspark") -> Path:
+    """The drafter for the embedded default target that ships in this repository's `checkpoints/`."""
+    path = SHIPPED / f"{kind}-smollm2-135m-instruct"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no shipped {kind} drafter at {path} (it ships with the hf_dspark repository); "
+                                "pass --drafter PATH")
+    return path
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype):
+    import hf_dspark  # noqa: F401  (registers the drafter classes)
+
+    return AutoModel.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def cost_table_for(target, drafter, target_name: str):
+    """Profile (once, cached on disk) what verifying 1..gamma+1 tokens costs here, for the throughput schedule."""
+    from hf_dspark.models.default_target import cache_root
+    from hf_dspark.scheduling import VerificationCostTable, profile_verification_costs
+
+    dtype = str(next(target.parameters()).dtype).replace("torch.", "")
+    device = next(target.parameters()).device
+    name = target_name.strip("/").replace("/", "--")
+    path = cache_root() / "cost-tables" / f"{name}-{dtype}-{device.type}-{torch.get_num_threads()}threads.json"
+    if path.is_file():
+        table = VerificationCostTable.load(path)
+        if table.max_tokens >= drafter.config.block_size + 1:
+            return table
+    print(f"profiling verification costs once ({path})...", file=sys.stderr)
+    table = profile_verification_costs(target, max_tokens=drafter.config.block_size + 1, drafter=drafter)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table.save(path)
+    return table
+
+
+def chat_input_ids(tokenizer, messages: list[dict]) -> torch.LongTensor:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    return ids["input_ids"] if hasattr(ids, "keys") else ids
+
+
+def generate_once(target, tokenizer, drafter, input_ids, args, stream: bool = True):
+    """(new token ids, seconds) of one speculative (drafter given) or plain (drafter None) generation."""
+    sampling = {"do_sample": args.temperature > 0}
+    if args.temperature > 0:
+        sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=0)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    start = time.perf_counter()
+    out = target.generate(input_ids, assistant_model=drafter, max_new_tokens=args.max_new_tokens, streamer=streamer,
+                          pad_token_id=tokenizer.eos_token_id, **sampling)
+    return out[0, input_ids.shape[1]:], time.perf_counter() - start
+
+
+def cmd_generate(args) -> int:
+    from hf_dspark.cli.main import DTYPES, load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.chat and not args.prompt:
+        print("hf-dspark generate: give a prompt, or --chat for an interactive session", file=sys.stderr)
+        return 2
+    if args.target is not None and args.drafter is None:
+        print("hf-dspark generate: a custom --target needs its --drafter", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
+    target, tokenizer = load_target(args.target, args.dtype)
+    drafter = load_drafter(args.drafter or shipped_drafter_path(), dtype)
+    drafter.attach_target(target)
+    if not args.no_schedule and getattr(drafter, "confidence_proj", None) is not None:
+        drafter.verification_costs = cost_table_for(target, drafter, args.target or "smollm2-135m-instruct")
+
+    messages: list[dict] = []
+    prompt = args.prompt
+    while True:
+        if args.chat:
+            try:
+                prompt = input("\nyou> ").strip()
+            except EOFError:
+                return 0
+            if prompt in ("", "/exit", "/quit"):
+                return 0
+        messages.append({"role": "user", "content": prompt})
+        input_ids = chat_input_ids(tokenizer, messages) if not args.raw else tokenizer(prompt, return_tensors="pt").input_ids
+        if args.chat:
+            print("assistant> ", end="", flush=True)
+        tokens, seconds = generate_once(target, tokenizer, drafter, input_ids, args)
+        stats = drafter.last_generation_stats
+        report = (f"[{len(tokens)} tokens in {seconds:.2f} s: {len(tokens) / seconds:.1f} tokens/s, tau {stats.tau:.2f}, "
+                  f"mean draft length {stats.mean_draft_length:.2f}]")
+        if args.compare:
+            plain, plain_seconds = generate_once(target, tokenizer, None, input_ids, args, stream=False)
+            report += (f"\n[plain generate: {len(plain) / plain_seconds:.1f} tokens/s; speed-up "
+                       f"{(len(tokens) / seconds) / (len(plain) / plain_seconds):.2f}x")
+            if args.temperature == 0:
+                report += f"; identical to plain greedy: {'yes' if torch.equal(plain, tokens) else 'NO'}"
+            report += "]"
+        print(report, file=sys.stderr, flush=True)
+        messages.append({"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)})
+        if not args.chat:
+            return 0
+
+
+def add_parser(sub, dtypes) -> None:
+    gen = sub.add_parser("generate", help="stream an answer with speculative decoding (default: SmolLM2 + the "
+                                          "shipped DSpark drafter) and print tokens/s and tau")
+    gen.add_argument("prompt", nargs="?", help="the user message (the chat template is applied)")
+    gen.add_argument("--chat", action="store_true", help="interactive chat loop (empty line or /exit to quit)")
+    gen.add_argument("--compare", action="store_true", help="also run plain decoding and print the speed-up")
+    gen.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--drafter", default=None, help="drafter path (default: the shipped DSpark drafter)")
+    gen.add_argument("--dtype", default="float32", choices=dtypes)
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--no-schedule", action="store_true",
+                     help="always draft gamma tokens instead of the confidence/cost-scheduled length")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--threads", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)

@@ -1,0 +1,114 @@
+"""Side-by-side speed benchmark: plain `generate`, HF prompt-lookup decoding and hf_dspark drafters, interleaved
+prompt by prompt in one run so machine noise hits every method alike.
+
+Reported per method: tokens/s, speed-up over plain, tau, mean draft length, per-slot conditional acceptance (the
+suffix-decay curve), the share of round time spent in each phase (verification, backbone, sequential head), and,
+for greedy decoding, how many outputs are identical to plain greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..generation.stats import SpeculativeStats
+from . import benchmark_path
+
+PROMPT_LOOKUP = "prompt-lookup"
+PLAIN = "plain"
+
+
+def held_out_prompts(benchmarks: list[str], per_benchmark: int) -> list[tuple[str, str]]:
+    """The first `per_benchmark` first turns of each shipped eval set (never used for training)."""
+    prompts = []
+    for name in benchmarks:
+        with open(benchmark_path(name), encoding="utf-8") as handle:
+            for line in list(handle)[:per_benchmark]:
+                prompts.append((name, json.loads(line)["turns"][0]))
+    return prompts
+
+
+@dataclass
+class MethodResult:
+    tokens: int = 0
+    seconds: float = 0.0
+    identical: int = 0
+    compared: int = 0
+    stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+    by_benchmark: dict[str, SpeculativeStats] = field(default_factory=dict)
+
+    def summary(self, plain_rate: float | None) -> dict:
+        rate = self.tokens / self.seconds if self.seconds else float("nan")
+        out = {"tokens_per_s": round(rate, 2), "speedup": round(rate / plain_rate, 3) if plain_rate else None}
+        if self.stats.num_rounds:
+            phases = self.stats.seconds
+            total = sum(phases.values()) or float("nan")
+            out.update(
+                tau=round(self.stats.tau, 3), mean_draft_length=round(self.stats.mean_draft_length, 2),
+                acceptance_by_slot=[None if math.isnan(x) else round(x, 3) for x in self.stats.acceptance_by_slot()],
+                tau_by_benchmark={k: round(v.tau, 3) for k, v in self.by_benchmark.items()},
+                time_share={k: round(v / total, 3) for k, v in sorted(phases.items())},
+            )
+        if self.compared:
+            out["identical_to_plain"] = f"{self.identical}/{self.compared}"
+        return out
+
+
+def run_speed_benchmark(target, tokenizer, drafters: dict, prompts: list[tuple[str, str]], *, max_new_tokens: int,
+                        temperature: float, prompt_lookup_tokens: int = 10, seed: int = 0, log=print) -> dict:
+    """`drafters` maps a label to a loaded drafter. Returns {method: summary} with plain and prompt lookup first."""
+    from ..cli.generate import chat_input_ids
+
+    methods = [PLAIN, PROMPT_LOOKUP, *drafters]
+    results = {m: MethodResult() for m in methods}
+    sampling = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature,
+                                                                "top_p": 1.0, "top_k": 0}
+    for index, (benchmark, prompt) in enumerate(prompts):
+        input_ids = chat_input_ids(tokenizer, [{"role": "user", "content": prompt}])
+        outputs = {}
+        for method in methods:
+            kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling)
+            if method == PROMPT_LOOKUP:
+                kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
+            elif method != PLAIN:
+                kwargs["assistant_model"] = drafters[method]
+            torch.manual_seed(seed + index)
+            start = time.perf_counter()
+            out = target.generate(input_ids, **kwargs)
+            seconds = time.perf_counter() - start
+            new = out[0, input_ids.shape[1]:]
+            outputs[method] = new
+            result = results[method]
+            result.tokens += new.numel()
+            result.seconds += seconds
+            if method in drafters:
+                stats = drafters[method].last_generation_stats
+                result.stats = result.stats.merge(stats)
+                result.by_benchmark[benchmark] = result.by_benchmark.get(benchmark, SpeculativeStats()).merge(stats)
+            if temperature == 0 and method != PLAIN:
+                result.compared += 1
+                result.identical += int(torch.equal(new, outputs[PLAIN]))
+        log(json.dumps({"prompt": index, "benchmark": benchmark, "tokens": {m: outputs[m].numel() for m in methods},
+                        **({"identical": {m: bool(torch.equal(outputs[m], outputs[PLAIN])) for m in methods[1:]}}
+                           if temperature == 0 else {})}))
+    plain = results[PLAIN]
+    plain_rate = plain.tokens / plain.seconds
+    return {m: results[m].summary(plain_rate) for m in methods}
+
+
+def markdown_table(summaries: dict, title: str) -> str:
+    lines = [f"### {title}", "", "| method | tokens/s | speed-up | tau | mean draft | per-slot acceptance | "
+             "identical to plain | round time: verify / backbone / seq. head / drafting |", "|---" * 8 + "|"]
+    for method, s in summaries.items():
+        share = s.get("time_share", {})
+        shares = " / ".join(f"{share[k]:.2f}" if k in share else "-"
+                            for k in ("verification", "backbone", "sequential_head", "drafting"))
+        slots = ", ".join("-" if x is None else f"{x:.2f}" for x in s.get("acceptance_by_slot", []))
+        lines.append(f"| {method} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s.get('tau', '-')} | "
+                     f"{s.get('mean_draft_length', '-')} | {slots or '-'} | {s.get('identical_to_plain', '-')} | "
+                     f"{shares if share else '-'} |")
+    return "\n".join(lines) + "\n"
