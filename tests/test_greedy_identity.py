@@ -149,21 +149,33 @@ def test_return_dict_scores_logits_and_stats(family):
     assert actual.speculative_stats is drafter.last_generation_stats
 
 
-@pytest.mark.parametrize("threshold", [0.3, 0.5, 1.01])
-def test_confidence_threshold_ends_blocks_early_and_stays_exact(threshold):
+STOP_RULES = [("threshold", 0.3), ("threshold", 0.5), ("threshold", 1.01),
+              ("costs", [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6]), ("costs", [1.0, 1.6, 2.2, 2.8, 3.4, 4.0, 4.6])]
+
+
+@pytest.mark.parametrize("rule,value", STOP_RULES)
+def test_confidence_stop_rules_end_blocks_early_and_stay_exact(rule, value):
+    """A static survival threshold, or the throughput schedule over a cost table, shortens drafts losslessly."""
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target, "markov", block_size=6)
-    drafter.confidence_threshold = threshold
+    if rule == "threshold":
+        drafter.confidence_threshold = value
+    else:
+        drafter.verification_costs = VerificationCostTable(value)
     for ids in prompts(3):
         expected = plain_greedy(target, ids, max_new_tokens=16)
         actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16)
         assert torch.equal(actual, expected)
         stats = drafter.last_generation_stats
         for length, confidences in zip(stats.draft_lengths, stats.confidences):
-            survival = torch.tensor(confidences).cumprod(0)
-            assert (survival >= threshold).all()
             assert length == len(confidences)
-        if threshold > 1:
+            survival = torch.tensor(confidences).cumprod(0)
+            if rule == "threshold":
+                assert (survival >= value).all()
+            else:  # replaying the rule on the recorded confidences admits every verified slot
+                replay = ThroughputDraftLength(drafter.verification_costs)
+                assert all(replay.admit(float(s)) for s in survival)
+        if rule == "threshold" and value > 1:
             assert set(stats.draft_lengths) == {0}
 
 
@@ -174,23 +186,6 @@ def test_throughput_draft_length_admits_until_the_first_drop():
     assert schedule.length == 2 and schedule.expected == pytest.approx(2.35)
     flat = ThroughputDraftLength(VerificationCostTable([1.0] * 8))  # a GPU-like table: every slot is worth it
     assert all(flat.admit(s) for s in (0.5, 0.1, 0.01))
-
-
-@pytest.mark.parametrize("costs", [[1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6], [1.0, 1.6, 2.2, 2.8, 3.4, 4.0, 4.6]])
-def test_throughput_schedule_stays_exact_and_follows_its_rule(costs):
-    target = tiny_target("qwen3")
-    drafter = tiny_drafter(target, "markov", block_size=6)
-    drafter.verification_costs = VerificationCostTable(costs)
-    for ids in prompts(3):
-        expected = plain_greedy(target, ids, max_new_tokens=16)
-        actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16)
-        assert torch.equal(actual, expected)
-        stats = drafter.last_generation_stats
-        for length, confidences in zip(stats.draft_lengths, stats.confidences):
-            # Replaying the rule on the recorded confidences gives the draft length that was verified.
-            replay = ThroughputDraftLength(drafter.verification_costs)
-            survival = torch.tensor(confidences).cumprod(0).tolist()
-            assert all(replay.admit(s) for s in survival) and length == len(confidences)
 
 
 def test_plain_and_stock_assisted_generate_untouched():

@@ -121,3 +121,25 @@ def test_optional_soft_cross_entropy_term():
                              ce_weight=0.0, tv_weight=1.0, bce_weight=0.0, kl_weight=2.0)
     soft = -(0.8 * math.log(0.5) + 0.1 * math.log(0.25) + 0.1 * math.log(0.25))
     torch.testing.assert_close(with_kl - base, torch.tensor(2.0 * soft), atol=1e-5, rtol=0)
+
+
+def test_time_budget_schedule_and_stop(tmp_path):
+    import json
+
+    from transformers import TrainerControl, TrainerState
+
+    from hf_dspark.training.budget import TimeBudgetCallback
+
+    budget = TimeBudgetCallback(100.0, warmup_steps=4)
+    assert budget.factor(0) == pytest.approx(0.25) and budget.factor(3) == pytest.approx(1.0)
+    budget.elapsed = 50.0
+    assert budget.factor(10) == pytest.approx(0.5)  # half the time spent: half-way down the cosine
+    control = budget.on_step_end(None, TrainerState(), TrainerControl())
+    assert not control.should_training_stop
+    budget.elapsed = 100.0
+    control = budget.on_step_end(None, TrainerState(), TrainerControl())
+    assert control.should_training_stop and control.should_save and budget.factor(10) == pytest.approx(0.0)
+    state = {"stateful_callbacks": {"TimeBudgetCallback": budget.state()}}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    assert TimeBudgetCallback.spent_seconds(tmp_path) >= 100.0
+    assert TimeBudgetCallback.spent_seconds(tmp_path / "missing") == 0.0

@@ -90,6 +90,17 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _add_data_arguments(parser, output_help: str) -> None:
+    """Arguments shared by `cache` and `train`: where to write, which target, which training examples."""
+    parser.add_argument("--output", required=True, help=output_help)
+    parser.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--data", nargs="*", help="folders of `hf-dspark regenerate` shards")
+    parser.add_argument("--dataset-answers", type=int, default=0,
+                        help="also use the first N ShareGPT conversations' own answers (off-policy contexts, "
+                             "labelled by the target's distribution)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,12 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cache = sub.add_parser("cache", help="run the target once over the training data and store what training "
                                          "needs (bf16, resumable), so epochs never rerun the target")
-    cache.add_argument("--output", required=True, help="cache folder (resumes if it already holds shards)")
-    cache.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
-    cache.add_argument("--dtype", default="float32", choices=DTYPES)
-    cache.add_argument("--data", nargs="*", help="folders of `hf-dspark regenerate` shards")
-    cache.add_argument("--dataset-answers", type=int, default=0,
-                       help="also cache the first N ShareGPT conversations' own answers (off-policy contexts)")
+    _add_data_arguments(cache, "cache folder (resumes if it already holds shards)")
     cache.add_argument("--max-length", type=int, default=768)
     cache.add_argument("--target-layers", type=int, nargs="*", default=None,
                        help="0-based target layers to store (default: those DSpark/DFlash and Eagle3 read)")
@@ -129,12 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="distil a drafter against a frozen target (resumes from checkpoints)")
     train.add_argument("--kind", default="dspark", choices=["dspark", "gated", "rnn", "dflash", "eagle3"])
-    train.add_argument("--output", required=True, help="folder for the drafter (and trainer checkpoints)")
-    train.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
-    train.add_argument("--dtype", default="float32", choices=DTYPES)
-    train.add_argument("--data", nargs="*", help="folders of `hf-dspark regenerate` shards")
-    train.add_argument("--dataset-answers", type=int, default=0,
-                       help="also distil on the first N ShareGPT conversations' own answers (off-policy contexts)")
+    _add_data_arguments(train, "folder for the drafter (and trainer checkpoints)")
     train.add_argument("--cache", default=None,
                        help="train from a `hf-dspark cache` folder instead of running the target every step")
     train.add_argument("--num-layers", type=int, default=2)

@@ -1,0 +1,64 @@
+"""`hf-dspark generate` and `hf-dspark bench` on a tiny random chat target saved to disk (real tokenizer)."""
+
+import pytest
+import torch
+
+from hf_dspark.cli.main import main
+from hf_dspark.scheduling import VerificationCostTable, profile_verification_costs
+from conftest import tiny_drafter
+from test_regeneration import tiny_chat_target, tokenizer  # noqa: F401  (fixture)
+
+
+@pytest.fixture(scope="module")
+def saved_pair(tmp_path_factory, tokenizer):  # noqa: F811
+    folder = tmp_path_factory.mktemp("pair")
+    target = tiny_chat_target(tokenizer)
+    target.save_pretrained(folder / "target")
+    tokenizer.save_pretrained(folder / "target")
+    drafter = tiny_drafter(target, "markov", block_size=4, draft_vocab_size=512)
+    drafter.set_draft_vocab(torch.arange(512))
+    drafter.save_pretrained(folder / "drafter")
+    return folder
+
+
+def test_generate_streams_and_compares_with_plain(saved_pair, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_DSPARK_CACHE", str(tmp_path))  # the profiled cost table is cached here
+    code = main(["generate", "What is 2 + 2?", "--target", str(saved_pair / "target"), "--drafter",
+                 str(saved_pair / "drafter"), "--max-new-tokens", "12", "--compare"])
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "tokens/s, tau" in captured.err and "speed-up" in captured.err
+    assert "identical to plain greedy: yes" in captured.err
+    assert list((tmp_path / "cost-tables").glob("*.json"))  # profiled once for the throughput schedule
+
+
+def test_generate_refuses_a_custom_target_without_drafter(saved_pair, capsys):
+    assert main(["generate", "hi", "--target", str(saved_pair / "target")]) == 2
+    assert "needs its --drafter" in capsys.readouterr().err
+
+
+def test_bench_reports_every_method_side_by_side(saved_pair, tmp_path, capsys):
+    report = tmp_path / "bench.md"
+    code = main(["bench", "--target", str(saved_pair / "target"), "--drafters", f"tiny={saved_pair / 'drafter'}",
+                 "--dtypes", "float32", "--temperatures", "0", "1", "--benchmarks", "gsm8k", "mt-bench",
+                 "--max-new-tokens", "10", "--output", str(report)])
+    assert code == 0
+    text = report.read_text()
+    for row in ("| plain |", "| prompt-lookup |", "| tiny |"):
+        assert text.count(row) == 2  # greedy and T=1 tables
+    assert "| 2/2 |" in text  # both greedy outputs identical to plain, for prompt lookup and the drafter
+    assert "hf-dspark bench" in text and "float32, greedy" in text and "float32, T=1" in text
+
+
+def test_profiled_cost_table_round_trips(tmp_path):
+    from conftest import tiny_target
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    table = profile_verification_costs(target, max_tokens=5, context_length=16, repeats=3, drafter=drafter)
+    assert table.max_tokens == 5 and table.draft_seconds > 0
+    table.save(tmp_path / "t.json")
+    assert VerificationCostTable.load(tmp_path / "t.json") == table
+    assert table.round_seconds(7) > table.round_seconds(5) or table.seconds[-1] <= table.seconds[0]
+    with pytest.raises(ValueError, match="positive"):
+        VerificationCostTable([0.0])
