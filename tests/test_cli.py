@@ -62,3 +62,21 @@ def test_profiled_cost_table_round_trips(tmp_path):
     assert table.round_seconds(7) > table.round_seconds(5) or table.seconds[-1] <= table.seconds[0]
     with pytest.raises(ValueError, match="positive"):
         VerificationCostTable([0.0])
+
+
+def test_regenerate_can_write_the_target_cache_in_the_same_run(saved_pair, tmp_path):
+    import json
+
+    from hf_dspark.training.target_cache import TargetCacheDataset
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Name {i} colours of apples."]}) + "\n" for i in range(3)))
+    code = main(["regenerate", "--prompts", str(prompts), "--target", str(saved_pair / "target"), "--output",
+                 str(tmp_path / "regen"), "--max-new-tokens", "5", "--batch-size", "2", "--cache",
+                 str(tmp_path / "cache"), "--cache-layers", "0", "1"])
+    assert code == 0
+    cached = TargetCacheDataset(tmp_path / "cache")
+    assert len(cached) == 3
+    example = cached[0]
+    assert example["target_features"].shape == (len(example["input_ids"]), 2 * 32)
+    assert example["loss_mask"].sum() >= 1

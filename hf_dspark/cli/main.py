@@ -44,6 +44,15 @@ def cmd_regenerate(args) -> int:
     )
     stats = regenerate(target, tokenizer, prompts, args.output, config, target_name=args.target or "default")
     print(json.dumps(stats))
+    if args.cache:
+        # Same process, target already loaded: the cache pass costs about a tenth of the regeneration.
+        from hf_dspark.training.target_cache import build_target_cache
+        from hf_dspark.training.trainer import RegeneratedDataset
+
+        data = RegeneratedDataset(args.output, max_length=args.cache_max_length)
+        build_target_cache(target, [data[i] for i in range(len(data))], args.cache,
+                           args.cache_layers or default_cache_layers(target.config),
+                           target_name=args.target or "default")
     return 0
 
 
@@ -121,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--seed", type=int, default=0)
     regen.add_argument("--threads", type=int, default=None)
     regen.add_argument("--no-decontaminate", action="store_true", help="keep prompts that overlap the eval sets")
+    regen.add_argument("--cache", default=None,
+                       help="also write the target cache of the regenerated data here (see `hf-dspark cache`)")
+    regen.add_argument("--cache-layers", type=int, nargs="*", default=None)
+    regen.add_argument("--cache-max-length", type=int, default=768)
     regen.set_defaults(func=cmd_regenerate)
 
     cache = sub.add_parser("cache", help="run the target once over the training data and store what training "
