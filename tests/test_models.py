@@ -245,3 +245,20 @@ def test_sequential_head_is_indexed_by_the_draft_vocabulary():
     assert rows.tolist() == [0, 23, 24, 24]  # tokens outside the draft vocabulary share the last row
     drafter.set_draft_vocab(torch.arange(0, 24))
     assert drafter.head_rows(torch.tensor([5, 40])).tolist() == [5, 24]  # the lookup follows a new vocabulary
+
+
+def test_deepspec_presets_for_published_targets():
+    from transformers import Qwen3Config
+
+    qwen3_8b = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    config = hf_dspark.DSparkDraftConfig.for_target("Qwen/Qwen3-8B", target_config=qwen3_8b)
+    assert (config.num_hidden_layers, config.block_size, config.markov_rank) == (5, 7, 256)
+    assert config.target_layer_ids == [1, 9, 17, 25, 33] and config.mask_token_id == 151669
+    assert config.confidence_head and config.markov_head == "markov" and config.hidden_size == 4096
+    assert hf_dspark.DSparkDraftConfig.for_target("Qwen/Qwen3-8B", target_config=qwen3_8b,
+                                                  num_hidden_layers=3).num_hidden_layers == 3
+    with pytest.raises(ValueError, match="do not fit"):
+        hf_dspark.DSparkDraftConfig.for_target("Qwen/Qwen3-14B", target_config=tiny_target("qwen3").config)
+    with pytest.raises(ValueError, match="no DeepSpec preset"):
+        hf_dspark.DSparkDraftConfig.for_target("meta-llama/Llama-3-8B", target_config=qwen3_8b)

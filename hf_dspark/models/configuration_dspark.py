@@ -12,6 +12,17 @@ from .common import QK_NORM_FAMILIES, default_target_layer_ids, target_shape_fie
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn")
 
 
+# DeepSpec's published drafter settings per target (5 layers, block 7, Markov rank 256, confidence head).
+DEEPSPEC_PRESETS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen3-4B": {"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669},
+    "Qwen/Qwen3-8B": {"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669},
+    "Qwen/Qwen3-14B": {"target_layer_ids": [1, 10, 19, 28, 37], "mask_token_id": 151669},
+    "google/gemma-4-12B-it": {"target_layer_ids": [5, 17, 29, 41, 46], "mask_token_id": 4},
+}
+_PRESET_COMMON = {"num_hidden_layers": 5, "block_size": 7, "markov_head": "markov", "markov_rank": 256,
+                  "confidence_head": True}
+
+
 @strict
 class DSparkDraftConfig(PreTrainedConfig):
     r"""
@@ -147,6 +158,27 @@ class DSparkDraftConfig(PreTrainedConfig):
         overrides.setdefault("markov_rank", 0)
         overrides.setdefault("confidence_head", False)
         return cls.from_target_config(target_config, **overrides)
+
+    @classmethod
+    def for_target(cls, name: str, target_config: PreTrainedConfig | None = None, **overrides: Any) -> "DSparkDraftConfig":
+        """DeepSpec's settings for a published target (`DEEPSPEC_PRESETS`), sized from its config.
+
+        `target_config` defaults to `AutoConfig.from_pretrained(name)` (the Hub or its local cache). Raises if the
+        name has no preset or the preset's target layers do not fit the config's depth.
+        """
+        if name not in DEEPSPEC_PRESETS:
+            raise ValueError(f"no DeepSpec preset for {name!r}; presets: {', '.join(DEEPSPEC_PRESETS)}. "
+                             "Use DSparkDraftConfig.from_target_config(target.config) for any other target.")
+        if target_config is None:
+            from transformers import AutoConfig
+
+            target_config = AutoConfig.from_pretrained(name)
+        preset = DEEPSPEC_PRESETS[name]
+        depth = target_config.get_text_config().num_hidden_layers
+        if max(preset["target_layer_ids"]) > depth - 2:
+            raise ValueError(f"the {name} preset reads target layers {preset['target_layer_ids']}, which do not fit "
+                             f"this {depth}-layer config; pass the config of the model the preset names")
+        return cls.from_target_config(target_config, **{**_PRESET_COMMON, **preset, **overrides})
 
 
 def _default_mask_token_id(target_config: PreTrainedConfig) -> int:
