@@ -143,3 +143,21 @@ def test_time_budget_schedule_and_stop(tmp_path):
     (tmp_path / "trainer_state.json").write_text(json.dumps(state))
     assert TimeBudgetCallback.spent_seconds(tmp_path) >= 100.0
     assert TimeBudgetCallback.spent_seconds(tmp_path / "missing") == 0.0
+
+
+def test_context_init_reproduces_the_copied_target_layers_input():
+    from hf_dspark.training.init import init_context_from_target, init_layers_from_target
+    from conftest import tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", target_layer_ids=[0, 1])
+    init_layers_from_target(drafter, target, [2, 3])
+    assert init_context_from_target(drafter, target, 2) == 1
+    ids = torch.randint(0, target.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[i] for i in drafter.target_hidden_state_indices], dim=-1)
+        expected = target.model.layers[2].input_layernorm(hidden[2])  # what target layer 2 attends from
+        torch.testing.assert_close(drafter.fuse_context(features), expected)
+    with pytest.raises(ValueError, match="not fused"):
+        init_context_from_target(drafter, target, 3)  # layer 2 is not among the fused layers

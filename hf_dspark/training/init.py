@@ -32,3 +32,25 @@ def init_layers_from_target(drafter: DraftPreTrainedModel, target, target_layer_
             param.copy_(value)
             copied.append(f"layers.{draft_index}.{name}")
     return copied
+
+
+@torch.no_grad()
+def init_context_from_target(drafter: DraftPreTrainedModel, target, first_copied_layer: int) -> int:
+    """Make the fused context start as the output of target layer `first_copied_layer - 1`, normed as target layer
+    `first_copied_layer` norms its input: drafter layer 0, copied from that target layer, then sees exactly the
+    keys and values the target computed for the context. Needs that layer among `config.target_layer_ids`;
+    returns its index in the fused features."""
+    source = first_copied_layer - 1
+    layer_ids = list(drafter.config.target_layer_ids)
+    if source not in layer_ids:
+        raise ValueError(f"target layer {source} is not fused by this drafter (target_layer_ids {layer_ids}); "
+                         "add it, or copy other target layers")
+    width = drafter.config.hidden_size
+    slot = layer_ids.index(source)
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, slot * width : (slot + 1) * width] = torch.eye(width, dtype=drafter.fc.weight.dtype)
+    norm = target.get_decoder().layers[first_copied_layer].input_layernorm.weight.to(drafter.hidden_norm.weight.dtype)
+    if "gemma" in target.config.get_text_config().model_type:
+        norm = norm + 1.0
+    drafter.hidden_norm.weight.copy_(norm)
+    return slot
