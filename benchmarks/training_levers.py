@@ -9,6 +9,7 @@ target layers 28-29, cosine-over-time learning rate 1e-3):
   random-init    drafter layers randomly initialised
   constant-lr    no cosine decay
   online-target  runs the target every step instead of reading the cache (feature capture off)
+  bigram-init    also starts the Markov head at the training answers' low-rank bigram log-probabilities
   context-init   also starts the fusion layer as "target layer 27's output, normed as layer 28 norms it", so the
                  first drafter layer (a copy of layer 28) initially sees the target's own context keys/values
 Reported: blocks/s and the held-out acceptance proxy (1 - TV per slot, teacher-forced) with the expected tau it
@@ -26,7 +27,7 @@ from transformers import TrainingArguments
 import hf_dspark  # noqa: F401
 from hf_dspark.models.default_target import load_default_target
 from hf_dspark.training.budget import TimeBudgetCallback
-from hf_dspark.training.init import init_context_from_target, init_layers_from_target
+from hf_dspark.training.init import init_context_from_target, init_layers_from_target, init_markov_head_from_bigrams
 from hf_dspark.training.recipes import answer_token_counts, build_drafter
 from hf_dspark.training.target_cache import TargetCacheDataset
 from hf_dspark.training.trainer import DSparkTrainer, most_frequent_tokens
@@ -36,7 +37,7 @@ parser.add_argument("--cache", required=True)
 parser.add_argument("--seconds", type=float, default=150)
 parser.add_argument("--held-out", type=int, default=48)
 parser.add_argument("--variants", nargs="*", default=["baseline", "full-vocab", "random-init", "constant-lr",
-                                                      "online-target"])
+                                                      "online-target", "bigram-init", "context-init"])
 args = parser.parse_args()
 
 target, tokenizer = load_default_target(dtype=torch.float32)
@@ -73,6 +74,8 @@ for variant in args.variants:
         init_layers_from_target(drafter, target, [28, 29])
     if variant == "context-init":
         init_context_from_target(drafter, target, 28)
+    if variant == "bigram-init":
+        init_markov_head_from_bigrams(drafter, Subset(cache, train_ids))
     budget = TimeBudgetCallback(args.seconds, warmup_steps=5, min_ratio=1.0 if variant == "constant-lr" else 0.0)
     train = Subset(cache, train_ids)
     trainer = DSparkTrainer(

@@ -161,3 +161,28 @@ def test_context_init_reproduces_the_copied_target_layers_input():
         torch.testing.assert_close(drafter.fuse_context(features), expected)
     with pytest.raises(ValueError, match="not fused"):
         init_context_from_target(drafter, target, 3)  # layer 2 is not among the fused layers
+
+
+def test_markov_head_bigram_init_predicts_the_data_bigrams():
+    from hf_dspark.training.init import init_markov_head_from_bigrams
+    from conftest import tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", draft_vocab_size=32)  # rank 16
+    drafter.set_draft_vocab(torch.arange(10, 42))
+    # A deterministic successor for every drafted token: y = next in a cycle; token 5 lies outside the vocabulary.
+    successor = {t: 10 + (t - 10 + 7) % 32 for t in range(10, 42)}
+    examples = []
+    for start in range(10, 42):
+        ids, t = [5, start], start
+        for _ in range(20):
+            t = successor[t]
+            ids.append(t)
+        examples.append({"input_ids": ids, "loss_mask": [0] + [1] * (len(ids) - 1)})
+    kept = init_markov_head_from_bigrams(drafter, examples)
+    assert 0.5 < kept <= 1.0 + 1e-6
+    head = drafter.sequential_head
+    previous = torch.arange(10, 42)
+    bias = head.output(head.token_embedding(drafter.head_rows(previous)))
+    predicted = drafter.draft_to_target[bias.argmax(-1)]
+    assert predicted.tolist() == [successor[t] for t in range(10, 42)]

@@ -90,7 +90,8 @@ def cmd_train(args) -> int:
         markov_rank=args.markov_rank, draft_vocab_size=args.draft_vocab_size, target_layer_ids=args.target_layers,
         init_from_target=args.init_from_target_layers, max_length=args.max_length, batch_size=args.batch_size,
         num_anchors=args.num_anchors, learning_rate=args.learning_rate, max_steps=args.max_steps,
-        save_steps=args.save_steps, warmup_ratio=args.warmup_ratio, max_seconds=args.max_seconds, seed=args.seed, resume=not args.no_resume,
+        save_steps=args.save_steps, warmup_ratio=args.warmup_ratio, max_seconds=args.max_seconds,
+        init_context=args.init_context_from_target, init_markov_bigrams=args.init_markov_from_bigrams, seed=args.seed, resume=not args.no_resume,
         loss_weights={k: v for k, v in {"ce_weight": args.ce_weight, "tv_weight": args.tv_weight,
                                         "bce_weight": args.bce_weight, "kl_weight": args.kl_weight}.items()
                       if v is not None},
@@ -158,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--target-layers", type=int, nargs="*", default=None)
     train.add_argument("--init-from-target-layers", type=int, nargs="*", default=None,
                        help="copy these target decoder layers into the drafter's layers before training")
+    train.add_argument("--init-context-from-target", action="store_true",
+                       help="with --init-from-target-layers L ...: start the fusion as target layer L-1's output "
+                            "(it must be fused), so the first drafter layer sees the target's own context keys")
+    train.add_argument("--init-markov-from-bigrams", action="store_true",
+                       help="start the Markov head at the low-rank bigram log-probabilities of the training answers")
     train.add_argument("--max-length", type=int, default=768)
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--num-anchors", type=int, default=64)

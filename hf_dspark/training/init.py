@@ -54,3 +54,42 @@ def init_context_from_target(drafter: DraftPreTrainedModel, target, first_copied
         norm = norm + 1.0
     drafter.hidden_norm.weight.copy_(norm)
     return slot
+
+
+@torch.no_grad()
+def init_markov_head_from_bigrams(drafter, dataset, smoothing: float = 1.0) -> float:
+    """Start the sequential head's low-rank bigram `W2(W1[x])` at the bigram statistics of the training answers.
+
+    Counts next-token pairs over the answer tokens of `dataset` (examples with `input_ids` and `loss_mask`), forms
+    backed-off log-probabilities `log((c[x, y] + a p(y)) / (n[x] + a))` over the drafter's rows (draft vocabulary
+    plus the shared out-of-vocabulary row) and outputs, removes each row's mean (softmax ignores it) and keeps the
+    best rank-r approximation (truncated SVD) as `W1 = U S^1/2`, `W2 = V S^1/2`. Returns the share of the matrix's
+    energy the rank-r factorisation keeps. The head's job is exactly this bias, so it no longer has to be learned
+    from scratch; training refines it.
+    """
+    head = drafter.sequential_head
+    if head is None:
+        raise ValueError("this drafter has no sequential head (a DFlash drafter)")
+    rows, outputs = head.token_embedding.num_embeddings, head.output.out_features
+    counts = torch.zeros(rows, outputs, dtype=torch.float64)
+    for index in range(len(dataset)):
+        example = dataset[index]
+        ids = torch.as_tensor(example["input_ids"], dtype=torch.long)
+        mask = torch.as_tensor(example["loss_mask"]) > 0
+        pairs = mask[1:].clone()
+        previous, following = drafter.head_rows(ids[:-1][pairs]), ids[1:][pairs]
+        if drafter.draft_to_target is not None:
+            column = drafter.head_rows(following)
+            keep = column < outputs  # a next token outside the draft vocabulary is never drafted
+            previous, column = previous[keep], column[keep]
+        else:
+            column = following
+        counts.index_put_((previous, column), torch.ones_like(previous, dtype=torch.float64), accumulate=True)
+    unigram = (counts.sum(0) + 1.0) / (counts.sum() + outputs)
+    log_probs = torch.log((counts + smoothing * unigram) / (counts.sum(1, keepdim=True) + smoothing))
+    log_probs -= log_probs.mean(dim=1, keepdim=True)
+    u, s, v = torch.svd_lowrank(log_probs.float(), q=head.rank, niter=4)
+    scale = s.sqrt()
+    head.token_embedding.weight.copy_((u * scale).to(head.token_embedding.weight.dtype))
+    head.output.weight.copy_((v * scale).to(head.output.weight.dtype))
+    return float((s**2).sum() / (log_probs.float() ** 2).sum())

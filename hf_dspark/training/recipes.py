@@ -13,7 +13,7 @@ from transformers import TrainingArguments
 
 from ..models import DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig, Eagle3DraftModel
 from .data import Decontaminator, answer_examples, sharegpt_path
-from .init import init_layers_from_target
+from .init import init_context_from_target, init_layers_from_target, init_markov_head_from_bigrams
 from .budget import TimeBudgetCallback
 from .target_cache import TargetCacheDataset
 from .trainer import DSparkTrainer, RegeneratedDataset, most_frequent_tokens
@@ -71,7 +71,8 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
                   cache: str | None = None, max_seconds: float | None = None, num_layers: int, block_size: int, markov_rank: int, draft_vocab_size: int | None,
                   target_layer_ids: list[int] | None, init_from_target: list[int] | None, max_length: int,
                   batch_size: int, num_anchors: int, learning_rate: float, max_steps: int, save_steps: int,
-                  warmup_ratio: float, seed: int, resume: bool, loss_weights: dict | None = None) -> dict:
+                  warmup_ratio: float, seed: int, resume: bool, loss_weights: dict | None = None,
+                  init_context: bool = False, init_markov_bigrams: bool = False) -> dict:
     torch.manual_seed(seed)
     output = Path(output_dir)
     drafter = build_drafter(kind, target, num_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
@@ -85,6 +86,10 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
         drafter.set_draft_vocab(most_frequent_tokens(counts, draft_vocab_size, always=[tokenizer.eos_token_id]))
     if init_from_target:
         init_layers_from_target(drafter, target, init_from_target)
+        if init_context:
+            init_context_from_target(drafter, target, init_from_target[0])
+    if init_markov_bigrams:
+        init_markov_head_from_bigrams(drafter, dataset)
     warmup_steps = max(1, int(warmup_ratio * max_steps))
     checkpoints = sorted((output / "trainer").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
     has_checkpoint = resume and bool(checkpoints)
