@@ -127,6 +127,7 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
         head = self.drafter.sequential_head
         threshold = self.drafter.confidence_threshold
         has_confidence = self.drafter.confidence_proj is not None
+        temperatures = self.drafter.config.confidence_temperatures
         schedule = None
         if has_confidence and self.drafter.verification_costs is not None:
             schedule = ThroughputDraftLength(self.drafter.verification_costs)
@@ -143,7 +144,10 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
                                                              state)
                 logits = logits + head.output(mixed).to(logits.dtype)
             if has_confidence:
-                confidence = torch.sigmoid(self.drafter.confidence_logit(hidden[slot : slot + 1], previous_embedding))
+                logit = self.drafter.confidence_logit(hidden[slot : slot + 1], previous_embedding)
+                if temperatures is not None:
+                    logit = logit / temperatures[slot]
+                confidence = torch.sigmoid(logit)
                 survival *= float(confidence)
                 # Stopping on c_1..c_k only (never on x_k itself) keeps the variable draft length lossless.
                 if threshold is not None and survival < threshold:

@@ -62,6 +62,9 @@ class DSparkDraftConfig(PreTrainedConfig):
             it), which keeps the head, and the checkpoint, small.
         confidence_head (`bool`): Predict, per slot, the probability that the slot is accepted given that its
             prefix was (sigmoid of a linear map of `[h_k ; W1[x_{k-1}]]`).
+        confidence_temperatures (`list[float]`, *optional*): Sequential Temperature Scaling, one temperature per
+            slot applied to the confidence logit at inference (`sigmoid(logit / T_k)`), fitted left to right on
+            held-out generations by `hf_dspark.scheduling.fit_sequential_temperatures`. `None` = no scaling.
         draft_vocab_size (`int`, *optional*): Draft over only this many target tokens (the most frequent in
             the training answers; ids in the `draft_to_target` buffer). Drafting and the draft LM head get
             cheaper; verification stays exact over the full vocabulary. `None` drafts over all tokens.
@@ -91,6 +94,7 @@ class DSparkDraftConfig(PreTrainedConfig):
     markov_head: str | None = "markov"
     markov_rank: int = 256
     confidence_head: bool = True
+    confidence_temperatures: list[float] | None = None
     draft_vocab_size: int | None = None
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
@@ -117,6 +121,11 @@ class DSparkDraftConfig(PreTrainedConfig):
             )
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in 1..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}")
+        if self.confidence_temperatures is not None and (
+            len(self.confidence_temperatures) != self.block_size or min(self.confidence_temperatures) <= 0
+        ):
+            raise ValueError(f"confidence_temperatures needs {self.block_size} positive values (one per slot), got "
+                             f"{self.confidence_temperatures}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if not self.target_layer_ids:

@@ -41,6 +41,15 @@ class VerificationCostTable:
         slope = (self.seconds[-1] - self.seconds[0]) / max(self.max_tokens - 1, 1)
         return self.seconds[-1] + slope * (num_tokens - self.max_tokens) + self.draft_seconds
 
+    def steps_per_second(self, num_tokens: int) -> float:
+        """SPS(B): verification rounds per second with B tokens in the target forward."""
+        return 1.0 / self.round_seconds(num_tokens)
+
+    @classmethod
+    def from_steps_per_second(cls, steps_per_second: list[float], **kwargs) -> "VerificationCostTable":
+        """A table given as SPS(1), SPS(2), ... (e.g. by hand, for simulation)."""
+        return cls([1.0 / s for s in steps_per_second], **kwargs)
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
 

@@ -6,7 +6,7 @@ Slot k is admitted while the expected throughput still rises:
     T(k) = E(k) / cost(k + 1)             (cost of verifying k drafts + 1, from a profiled cost table)
 
 with S_j = c_1 * ... * c_j the predicted survival of the first j drafts. Drafting stops at the first slot whose
-admission would lower T. The decision uses c_1..c_k only, never the drafted tokens' verification, so the output
+admission would not raise T (the DSpark scheduler's early stop, `DSparkScheduler` at R = 1). The decision uses c_1..c_k only, never the drafted tokens' verification, so the output
 distribution is untouched: it only changes how many drafts are verified.
 """
 
@@ -29,7 +29,7 @@ class ThroughputDraftLength:
     def admit(self, survival: float) -> bool:
         expected = self.expected + survival
         rate = expected / self.cost_table.round_seconds(self.length + 2)
-        if rate < self.rate:
+        if rate <= self.rate:
             return False
         self.expected, self.rate, self.length = expected, rate, self.length + 1
         return True

@@ -1,0 +1,119 @@
+"""The DSpark scheduler: the ranking rule, agreement with the batch-1 draft-length rule, and the paper's Appendix A
+(early stop keeps sampling exact; the global best does not)."""
+
+import pytest
+import torch
+
+from hf_dspark.generation.verification import rejection_sample
+from hf_dspark.scheduling import DSparkScheduler, ThroughputDraftLength, VerificationCostTable
+from test_sampling_lossless import chi_square, critical_value
+
+
+def test_admits_highest_survivals_first_until_throughput_stops_rising():
+    # SPS(B) = 1 / (1 + 0.1 (B - 1)): B = 2 -> 0.909, 3 -> 0.833, 4 -> 0.769, 5 -> 0.714
+    table = VerificationCostTable([1.0 + 0.1 * i for i in range(8)])
+    confidences = torch.tensor([[0.9, 0.9, 0.1], [0.5, 0.9, 0.9]])
+    # survivals: r0 (0.9, 0.81, 0.081), r1 (0.5, 0.45, 0.405). Start: 2 tokens * SPS(2).
+    # +0.9 -> 2.9*0.833=2.42 > 1.82; +0.81 -> 3.71*0.769=2.85; +0.5 -> 4.21*0.714=3.01; +0.45 -> 4.66*0.667=3.11;
+    # +0.405 -> 5.065*0.625=3.17; +0.081 -> 5.146*0.588=3.03 stops.
+    lengths = DSparkScheduler(table).select_lengths(confidences)
+    assert lengths.tolist() == [2, 3]
+
+
+def test_lengths_respect_available_drafts_and_flat_costs_admit_everything():
+    table = VerificationCostTable([1.0] * 16)
+    confidences = torch.full((3, 4), 0.5)
+    lengths = DSparkScheduler(table).select_lengths(confidences, max_lengths=torch.tensor([4, 1, 0]))
+    assert lengths.tolist() == [4, 1, 0]
+
+
+def test_single_request_matches_the_incremental_draft_length_rule():
+    generator = torch.Generator().manual_seed(0)
+    table = VerificationCostTable([1.0, 1.3, 1.55, 1.9, 2.2, 2.6, 3.0, 3.4])
+    for _ in range(200):
+        confidences = torch.rand(1, 7, generator=generator) ** 0.3
+        batch = int(DSparkScheduler(table).select_lengths(confidences)[0])
+        incremental = ThroughputDraftLength(table)
+        length = 0
+        for survival in confidences[0].cumprod(0).tolist():
+            if not incremental.admit(survival):
+                break
+            length += 1
+        assert batch == length
+
+
+def appendix_a_first_token_counts(early_stop: bool, samples: int = 40000, seed: int = 0) -> torch.Tensor:
+    """One request, gamma 2, SPS(1..3) = (1.0, 0.5, 0.45); c1 = 0.8, c2 = 0.9 after A and 0 after B;
+    p_target = (0.7, 0.3) and p_draft = (0.5, 0.5) at the first slot. Returns counts of the first emitted token."""
+    generator = torch.Generator().manual_seed(seed)
+    scheduler = DSparkScheduler(VerificationCostTable.from_steps_per_second([1.0, 0.5, 0.45]), early_stop=early_stop)
+    p_target, p_draft = torch.tensor([0.7, 0.3]), torch.tensor([0.5, 0.5])
+    first_draft = torch.multinomial(p_draft, samples, replacement=True, generator=generator)
+    lengths = torch.empty(samples, dtype=torch.long)
+    for token in (0, 1):  # the length depends on the draft only through c2(x1)
+        c2 = 0.9 if token == 0 else 0.0
+        lengths[first_draft == token] = int(scheduler.select_lengths(torch.tensor([[0.8, c2]]))[0].clamp(max=1))
+    # Only the first emitted token matters: verify at most the first slot.
+    accepted, next_token = rejection_sample(first_draft[:, None], p_draft.expand(samples, 1, 2),
+                                            p_target.expand(samples, 2, 2), draft_lengths=lengths,
+                                            generator=generator)
+    first = torch.where(accepted > 0, first_draft, next_token)
+    return torch.bincount(first, minlength=2).float()
+
+
+def test_appendix_a_early_stop_is_exact():
+    counts = appendix_a_first_token_counts(early_stop=True)
+    assert chi_square(counts, torch.tensor([0.7, 0.3])) < critical_value(1)
+
+
+def test_appendix_a_global_best_is_biased_to_085():
+    counts = appendix_a_first_token_counts(early_stop=False)
+    assert chi_square(counts, torch.tensor([0.85, 0.15])) < critical_value(1)
+    assert chi_square(counts, torch.tensor([0.7, 0.3])) > 100 * critical_value(1)
+
+
+def test_calibration_metrics_match_hand_values():
+    from hf_dspark.scheduling import auroc, expected_calibration_error
+
+    assert expected_calibration_error(torch.tensor([0.1, 0.1, 0.9, 0.9]), torch.tensor([0, 1, 1, 1])) == \
+        pytest.approx(0.25)
+    assert auroc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])) == pytest.approx(0.75)
+    assert auroc(torch.tensor([0.5, 0.5]), torch.tensor([0, 1])) == pytest.approx(0.5)
+
+
+def test_sequential_temperature_scaling_recovers_overconfidence():
+    from hf_dspark.generation.stats import SpeculativeStats
+    from hf_dspark.scheduling import expected_calibration_error, fit_sequential_temperatures
+    from hf_dspark.scheduling.calibration import survival_pairs
+
+    generator = torch.Generator().manual_seed(0)
+    stats = SpeculativeStats()
+    for _ in range(6000):  # true acceptance is sigmoid(l / 2); the head reports sigmoid(l): overconfident
+        logits = torch.randn(3, generator=generator) * 3 + 1
+        true = torch.sigmoid(logits / 2)
+        accepted = 0
+        while accepted < 3 and torch.rand(1, generator=generator) < true[accepted]:
+            accepted += 1
+        stats.record(3, accepted, torch.sigmoid(logits).tolist())
+    temperatures = fit_sequential_temperatures(stats, block_size=3)
+    assert all(1.6 < t < 2.5 for t in temperatures), temperatures
+    logits, outcome = survival_pairs(stats, 2)
+    raw = torch.sigmoid(logits).prod(1)
+    scaled = torch.sigmoid(logits / torch.tensor(temperatures, dtype=torch.float64)).prod(1)
+    assert expected_calibration_error(scaled, outcome) < 0.5 * expected_calibration_error(raw, outcome)
+
+
+def test_generation_applies_the_stored_temperatures():
+    from conftest import prompts, tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4, confidence_temperatures=[1000.0] * 4)
+    ids = prompts(1)[0]
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=10)
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=10))
+    flat = [c for round_ in drafter.last_generation_stats.confidences for c in round_]
+    assert flat and all(abs(c - 0.5) < 0.01 for c in flat)
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    with pytest.raises((ValueError, StrictDataclassClassValidationError), match="one per slot"):
+        tiny_drafter(target, "markov", block_size=4, confidence_temperatures=[1.0])
