@@ -80,3 +80,13 @@ def test_regenerate_can_write_the_target_cache_in_the_same_run(saved_pair, tmp_p
     example = cached[0]
     assert example["target_features"].shape == (len(example["input_ids"]), 2 * 32)
     assert example["loss_mask"].sum() >= 1
+
+
+def test_profile_writes_a_cost_table_generate_can_use(saved_pair, tmp_path, capsys):
+    table_path = tmp_path / "costs.json"
+    assert main(["profile", "--target", str(saved_pair / "target"), "--drafter", str(saved_pair / "drafter"),
+                 "--max-tokens", "6", "--context-length", "32", "--repeats", "2", "--output", str(table_path)]) == 0
+    table = VerificationCostTable.load(table_path)
+    assert table.max_tokens == 6 and table.draft_seconds > 0 and "SPS" in capsys.readouterr().out
+    assert main(["generate", "Hello", "--target", str(saved_pair / "target"), "--drafter",
+                 str(saved_pair / "drafter"), "--max-new-tokens", "6", "--cost-table", str(table_path)]) == 0

@@ -80,7 +80,12 @@ def cmd_generate(args) -> int:
     drafter = load_drafter(args.drafter or shipped_drafter_path(), dtype)
     drafter.attach_target(target)
     if not args.no_schedule and getattr(drafter, "confidence_proj", None) is not None:
-        drafter.verification_costs = cost_table_for(target, drafter, args.target or "smollm2-135m-instruct")
+        if args.cost_table:
+            from hf_dspark.scheduling import VerificationCostTable
+
+            drafter.verification_costs = VerificationCostTable.load(args.cost_table)
+        else:
+            drafter.verification_costs = cost_table_for(target, drafter, args.target or "smollm2-135m-instruct")
 
     messages: list[dict] = []
     prompt = args.prompt
@@ -127,6 +132,8 @@ def add_parser(sub, dtypes) -> None:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--no-schedule", action="store_true",
                      help="always draft gamma tokens instead of the confidence/cost-scheduled length")
+    gen.add_argument("--cost-table", default=None, help="cost table from `hf-dspark profile` (default: profiled "
+                                                         "once on this machine and cached)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--threads", type=int, default=None)
     gen.set_defaults(func=cmd_generate)

@@ -79,6 +79,28 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from hf_dspark.scheduling import profile_verification_costs
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, _ = load_target(args.target, args.dtype)
+    drafter = None
+    if args.drafter:
+        from hf_dspark.cli.generate import load_drafter
+
+        drafter = load_drafter(args.drafter, target.dtype)
+    table = profile_verification_costs(target, max_tokens=args.max_tokens, context_length=args.context_length,
+                                       repeats=args.repeats, drafter=drafter)
+    table.save(args.output)
+    for n, seconds in enumerate(table.seconds, start=1):
+        print(f"B = {n:3d} tokens: {1000 * seconds:8.2f} ms  SPS {1 / seconds:7.2f}")
+    if drafter is not None:
+        print(f"drafter round: {1000 * table.draft_seconds:.2f} ms")
+    print(f"written to {args.output}", file=sys.stderr)
+    return 0
+
+
 def cmd_train(args) -> int:
     from hf_dspark.training.recipes import train_drafter
 
@@ -181,6 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--threads", type=int, default=None)
     train.add_argument("--no-resume", action="store_true")
     train.set_defaults(func=cmd_train)
+    profile = sub.add_parser("profile", help="measure SPS(B), the target's verification cost at B tokens, (and the "
+                                             "drafter's round) on this hardware and write a cost table")
+    profile.add_argument("--output", required=True, help="cost table JSON to write")
+    profile.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
+    profile.add_argument("--drafter", default=None, help="also time one drafting round of this drafter")
+    profile.add_argument("--dtype", default="float32", choices=DTYPES)
+    profile.add_argument("--max-tokens", type=int, default=16, help="profile B = 1 .. this many tokens")
+    profile.add_argument("--context-length", type=int, default=256)
+    profile.add_argument("--repeats", type=int, default=5)
+    profile.add_argument("--threads", type=int, default=None)
+    profile.set_defaults(func=cmd_profile)
+
     from hf_dspark.cli.bench import add_parser as add_bench
     from hf_dspark.cli.generate import add_parser as add_generate
 
