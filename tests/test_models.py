@@ -262,3 +262,18 @@ def test_deepspec_presets_for_published_targets():
         hf_dspark.DSparkDraftConfig.for_target("Qwen/Qwen3-14B", target_config=tiny_target("qwen3").config)
     with pytest.raises(ValueError, match="no DeepSpec preset"):
         hf_dspark.DSparkDraftConfig.for_target("meta-llama/Llama-3-8B", target_config=qwen3_8b)
+
+
+def test_model_card_renders_valid_metadata_and_the_config():
+    import yaml
+
+    from hf_dspark.hub.model_card import render_model_card
+
+    drafter = tiny_drafter(tiny_target("llama"), "markov", draft_vocab_size=24)
+    card = render_model_card(kind="dspark", base_model="HuggingFaceTB/SmolLM2-135M-Instruct", title="T",
+                             summary="S", config=drafter.config, commands=["hf-dspark train --kind dspark"],
+                             training="trained", measured="| tau |", datasets=["some/dataset"])
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and front["library_name"] == "transformers"
+    assert "dspark" in front["tags"] and front["datasets"] == ["some/dataset"]
+    assert "hf-dspark train --kind dspark" in card and "draft vocabulary of the 24" in card

@@ -1,0 +1,1 @@
+"""Sharing drafters: model cards (and, later, Hub upload and format conversion)."""
