@@ -1,11 +1,11 @@
-"""Model cards for drafters, rendered from `model_cards/drafter_template.md` (YAML metadata + the facts a user
+"""Model cards for drafters, rendered from `templates/drafter_card.md` (YAML metadata + the facts a user
 needs: config, exact training commands, data, time, measured acceptance and speed)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "drafter_template.md"
+TEMPLATE = Path(__file__).parent / "templates" / "drafter_card.md"
 KIND_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 
 
