@@ -18,6 +18,7 @@ from .models import (
     Eagle3DraftModel,
 )
 from .models.default_target import default_target_dir, load_default_target
+from .scheduling import DSparkScheduler, VerificationCostTable
 
 __version__ = "0.1.0"
 
@@ -39,10 +40,12 @@ __all__ = [
     "DraftPreTrainedModel",
     "DSparkDraftConfig",
     "DSparkDraftModel",
+    "DSparkScheduler",
     "Eagle3DraftConfig",
     "Eagle3DraftModel",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeStats",
+    "VerificationCostTable",
     "build_dflash_config",
     "default_target_dir",
     "greedy_verify",

@@ -56,7 +56,8 @@ def cmd_bench(args) -> int:
     report += ["", "Raw summaries:", "", "```json", json.dumps(raw, indent=1), "```", ""]
     if args.output:
         Path(args.output).write_text("\n".join(report))
-        print(f"written to {args.output}", file=sys.stderr)
+        Path(args.output).with_suffix(".json").write_text(json.dumps({"command": command, "results": raw}, indent=1))
+        print(f"written to {args.output} (and .json)", file=sys.stderr)
     return 0
 
 
