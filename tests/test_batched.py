@@ -1,0 +1,222 @@
+"""The batched engine must be as lossless as batch-1 decoding: greedy rows equal each prompt's own plain greedy
+output token for token, and sampled rows follow the target's distribution exactly."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+import hf_dspark.generation.batched as batched
+from hf_dspark.generation import batched_speculative_generate
+from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
+from conftest import VOCAB, prompts, tiny_drafter, tiny_target
+from test_sampling_lossless import TINY_VOCAB, assert_matches, exact_three_token_distribution
+
+MAX_NEW = 16
+
+
+def left_pad(prompt_list: list[torch.Tensor], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(p.shape[1] for p in prompt_list)
+    ids = torch.full((len(prompt_list), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompt_list):
+        ids[row, width - prompt.shape[1] :] = prompt[0]
+        mask[row, width - prompt.shape[1] :] = 1
+    return ids, mask
+
+
+def plain_greedy(target, prompt_list, **kwargs) -> list[torch.Tensor]:
+    return [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW, **kwargs)[0] for p in prompt_list]
+
+
+def scheduler() -> DSparkScheduler:
+    return DSparkScheduler(VerificationCostTable([1.0 + 0.15 * i for i in range(40)]))
+
+
+def assert_rows_equal(out, expected):
+    assert len(out.sequences) == len(expected)
+    for row, (actual, reference) in enumerate(zip(out.sequences, expected)):
+        assert torch.equal(actual, reference), f"row {row}: {actual.tolist()} != {reference.tolist()}"
+
+
+def use_oracle(monkeypatch, references: list[torch.Tensor], block_size: int) -> list[tuple[int, int, int]]:
+    """Replace each row's drafted tokens by the target's own greedy continuation, corrupted from a slot that varies
+    by row and round, so rows accept different numbers of drafts (the holes the engine must get right). Returns the
+    (request, verified, expected accepted) of every row and round, filled in as the engine runs."""
+    original = batched._draft
+    expected: list[tuple[int, int, int]] = []
+    rounds = iter(range(10**6))
+
+    def oracle_draft(drafter, rows, budget, *args):
+        drafts = original(drafter, rows, budget, *args)
+        round_index = next(rounds)
+        for row, request in enumerate(rows.request.tolist()):
+            start = int(rows.target_length[row]) + 1  # the anchor sits at target_length
+            correct = (request + round_index) % (block_size + 1)
+            length = int(drafts.lengths[row])
+            for slot in range(length):
+                token = int(references[request][start + slot])
+                drafts.tokens[row, slot] = token if slot < correct else (token + 1) % VOCAB
+            expected.append((request, length, min(correct, length)))
+        return drafts
+
+    monkeypatch.setattr(batched, "_draft", oracle_draft)
+    return expected
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Greedy: every row equals plain greedy decoding of its own prompt
+# ---------------------------------------------------------------------------------------------------------
+
+
+POLICIES = [("all", None), ("fixed", 1), ("threshold", 0.3), ("scheduler", "table")]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["markov", "dflash"])
+def test_greedy_rows_match_plain_greedy(family, kind):
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, kind, block_size=4)
+    prompt_list = prompts(4)
+    expected = plain_greedy(target, prompt_list)
+    ids, mask = left_pad(prompt_list)
+    for policy, arg in POLICIES:
+        if kind == "dflash" and policy in ("threshold", "scheduler"):
+            continue
+        arg = scheduler() if arg == "table" else arg
+        out = batched_speculative_generate(target, drafter, ids, mask, max_new_tokens=MAX_NEW, policy=policy,
+                                           policy_arg=arg)
+        assert_rows_equal(out, expected)
+        for stats, sequence, prompt in zip(out.stats, out.sequences, prompt_list):
+            # Every round emits its accepted drafts plus one target token; the prefill emitted the first token.
+            assert sum(stats.accepted) + stats.num_rounds + 1 == sequence.shape[0] - prompt.shape[1]
+            assert all(0 <= a <= d <= 4 for a, d in zip(stats.accepted, stats.draft_lengths))
+            if policy == "fixed":
+                assert max(stats.draft_lengths) <= 1
+            if kind == "markov":
+                assert [len(c) for c in stats.confidences] == stats.draft_lengths
+        assert len(out.verified_tokens_per_round) == max(s.num_rounds for s in out.stats)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind,policy", [("markov", "all"), ("dflash", "all"), ("markov", "scheduler")])
+def test_greedy_rows_with_accepted_drafts(monkeypatch, family, kind, policy):
+    """Rows accept 0..gamma drafts in the same round, so their caches fill with holes at different places."""
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, kind, block_size=4)
+    prompt_list = prompts(4)
+    references = [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW + 8)[0] for p in prompt_list]
+    records = use_oracle(monkeypatch, references, block_size=4)
+    ids, mask = left_pad(prompt_list)
+    # A nearly flat cost table: the scheduler verifies several drafts, more for confident rows.
+    arg = DSparkScheduler(VerificationCostTable([1.0 + 0.02 * i for i in range(60)])) if policy == "scheduler" else None
+    out = batched_speculative_generate(target, drafter, ids, mask, max_new_tokens=MAX_NEW, policy=policy,
+                                       policy_arg=arg)
+    assert_rows_equal(out, [r[: p.shape[1] + MAX_NEW] for r, p in zip(references, prompt_list)])
+    for request, stats in enumerate(out.stats):
+        mine = [(verified, accepted) for r, verified, accepted in records if r == request]
+        assert list(zip(stats.draft_lengths, stats.accepted)) == mine
+    accepted = Counter(a for s in out.stats for a in s.accepted)
+    assert len(accepted) >= 3  # several different acceptance counts occurred
+
+
+def test_greedy_with_eager_attention():
+    target = tiny_target("llama", attn_implementation="eager")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    prompt_list = prompts(3)
+    out = batched_speculative_generate(target, drafter, *left_pad(prompt_list), max_new_tokens=MAX_NEW)
+    assert_rows_equal(out, plain_greedy(target, prompt_list))
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_greedy_rows_stop_at_eos(monkeypatch, oracle):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    prompt_list = prompts(4)
+    free = plain_greedy(target, prompt_list)
+    # An EOS that one prompt's greedy output reaches mid-way (first seen at new-token index >= 3).
+    eos = None
+    for sequence, prompt in zip(free, prompt_list):
+        new = sequence[prompt.shape[1] :].tolist()
+        eos = next((t for i, t in enumerate(new) if 3 <= i < MAX_NEW - 2 and t not in new[:i]), None)
+        if eos is not None:
+            break
+    assert eos is not None
+    expected = plain_greedy(target, prompt_list, eos_token_id=eos)
+    assert any(e.shape[0] < f.shape[0] for e, f in zip(expected, free))  # some row really stops early
+    if oracle:  # with oracle drafts the EOS usually arrives inside a block of accepted drafts
+        references = [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW + 8)[0] for p in prompt_list]
+        use_oracle(monkeypatch, references, block_size=4)
+    out = batched_speculative_generate(target, drafter, *left_pad(prompt_list), max_new_tokens=MAX_NEW,
+                                       eos_token_id=eos)
+    assert_rows_equal(out, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sampling: the joint of the first three new tokens is the target's
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_batched_sampling_matches_target_distribution():
+    target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None, bos_token_id=None)
+    drafter = tiny_drafter(target, "markov", block_size=3)
+    # Sharpened confidences spread the survivals, and this cost table then verifies 0, 1 or 2 drafts per row in
+    # the first round depending on every row's confidences: lengths vary within and across batches.
+    drafter.config.confidence_temperatures = [0.05, 0.15, 0.15]
+    policy = DSparkScheduler(VerificationCostTable([45.0 + n for n in range(1, 201)]))
+    prompt = torch.tensor([[1, 4, 2, 5]])
+    temperature, top_p = 0.7, 0.9
+    joint = exact_three_token_distribution(target, prompt, temperature, top_p)
+    biased = exact_three_token_distribution(target, prompt, temperature * temperature, top_p)
+
+    batch, calls = 50, 50
+    ids = prompt.repeat(batch, 1)
+    mask = torch.ones_like(ids)
+    generator = torch.Generator().manual_seed(2024)
+    counts = torch.zeros(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB)
+    first_lengths: Counter = Counter()
+    drafted = accepted = 0
+    for _ in range(calls):
+        # Five new tokens, so the first round may verify up to three drafts; x1 comes from the prefill and x2, x3
+        # from the first round's drafted slots (accepted or resampled) or its correction / bonus token.
+        out = batched_speculative_generate(
+            target, drafter, ids, mask, max_new_tokens=5, do_sample=True, temperature=temperature, top_p=top_p,
+            policy="scheduler", policy_arg=policy, generator=generator,
+        )
+        for sequence, stats in zip(out.sequences, out.stats):
+            x1, x2, x3 = sequence[4:7].tolist()
+            counts[x1, x2, x3] += 1
+            first_lengths[stats.draft_lengths[0]] += 1
+            drafted += sum(stats.draft_lengths)
+            accepted += sum(stats.accepted)
+    samples = batch * calls
+    assert len(first_lengths) >= 2 and first_lengths[0] < samples  # the scheduler both drafted and declined
+    assert 0.05 * drafted < accepted < 0.95 * drafted  # both accepted and rejected drafts occurred
+
+    power = [
+        assert_matches(counts.sum(2), joint.sum(2), biased.sum(2), samples),  # (x1, x2)
+        assert_matches(counts.sum(0), joint.sum(0), biased.sum(0), samples),  # (x2, x3)
+        assert_matches(counts, joint, biased, samples),  # (x1, x2, x3)
+    ]
+    assert max(power) > 3  # the same bound would reject the double-temperature sampler
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_rejects_unsupported_requests():
+    target = tiny_target("llama")
+    ids, mask = left_pad(prompts(2))
+    with pytest.raises(ValueError, match="DSpark/DFlash"):
+        batched_speculative_generate(target, tiny_drafter(target, "eagle3"), ids, mask, max_new_tokens=4)
+    dflash = tiny_drafter(target, "dflash")
+    with pytest.raises(ValueError, match="confidence head"):
+        batched_speculative_generate(target, dflash, ids, mask, max_new_tokens=4, policy="threshold",
+                                     policy_arg=0.5)
+    with pytest.raises(ValueError, match="left-padded"):
+        batched_speculative_generate(target, dflash, ids, mask.flip(1), max_new_tokens=4)
+    gemma = tiny_target("gemma3")
+    with pytest.raises(ValueError, match="sliding-window"):
+        batched_speculative_generate(gemma, tiny_drafter(gemma, "markov"), ids, mask, max_new_tokens=4)
