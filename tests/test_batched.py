@@ -220,3 +220,87 @@ def test_rejects_unsupported_requests():
     gemma = tiny_target("gemma3")
     with pytest.raises(ValueError, match="sliding-window"):
         batched_speculative_generate(gemma, tiny_drafter(gemma, "markov"), ids, mask, max_new_tokens=4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Continuous batching: requests join and leave between rounds
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run_staggered(engine, prompt_list, arrivals: dict[int, int], max_new: dict[int, int], **submit_kwargs):
+    """Submit prompt i before step arrivals[i]; step until everything is done. Returns {prompt index: output}
+    and checks after every step that no cache column is a hole in every running row, and that newcomers share the
+    drafter cache's columns (its width stays within the target cache's) instead of widening it by their prompts."""
+    outputs, ids = {}, {}
+    step = 0
+    while len(ids) < len(prompt_list) or engine.num_waiting or engine.num_running:
+        for index, arrival in arrivals.items():
+            if arrival == step:
+                ids[engine.submit(prompt_list[index][0], max_new[index], **submit_kwargs)] = index
+        outputs.update(engine.step())
+        rows = engine._rows
+        if rows is not None:
+            assert bool(rows.target_valid.any(dim=0).all()) and bool(rows.draft_valid.any(dim=0).all())
+            assert rows.draft_valid.shape[1] <= rows.target_valid.shape[1]
+        step += 1
+    return {ids[request]: sequence for request, sequence in outputs.items()}
+
+
+@pytest.mark.parametrize("kind", ["markov", "dflash"])
+@pytest.mark.parametrize("oracle", [False, True])
+def test_engine_requests_joining_late_match_plain_greedy(monkeypatch, kind, oracle):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, kind, block_size=4)
+    prompt_list = prompts(5) + [prompts(1, length=15, seed=7)[0]]  # a newcomer longer than the running rows
+    max_new = {0: 16, 1: 9, 2: 16, 3: 5, 4: 12, 5: 10}
+    arrivals = {0: 0, 1: 0, 2: 2, 3: 3, 4: 3, 5: 5}
+    references = [target.generate(p, do_sample=False, max_new_tokens=24)[0] for p in prompt_list]
+    if oracle:  # drafts the target accepts 0..4 of, so the rows' holes differ when newcomers join
+        use_oracle(monkeypatch, references, block_size=4)
+    engine = batched.SpeculativeEngine(target, drafter, policy="all")
+    outputs = run_staggered(engine, prompt_list, arrivals, max_new)
+    assert sorted(outputs) == list(range(len(prompt_list)))
+    for index, prompt in enumerate(prompt_list):
+        expected = references[index][: prompt.shape[1] + max_new[index]]
+        assert torch.equal(outputs[index], expected), f"request {index}"
+    if oracle:
+        assert sum(sum(s.accepted) for s in engine.stats.values()) > 0
+
+
+def test_engine_mixes_sampling_settings_and_limits():
+    """Greedy, top-k 1 (greedy by another route) and real sampling share rounds; each keeps its own settings."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    prompt_list = prompts(4)
+    expected = plain_greedy(target, prompt_list)
+    engine = batched.SpeculativeEngine(target, drafter, policy="threshold", policy_arg=0.2,
+                                       generator=torch.Generator().manual_seed(0))
+    greedy = engine.submit(prompt_list[0][0], MAX_NEW)
+    sampled = engine.submit(prompt_list[1][0], MAX_NEW, do_sample=True, temperature=0.8, top_p=0.9)
+    engine.step()
+    top1 = engine.submit(prompt_list[2][0], MAX_NEW, do_sample=True, temperature=0.5, top_k=1)
+    nothing = engine.submit(prompt_list[3][0], 0)
+    outputs = engine.step()
+    assert torch.equal(outputs.pop(nothing), prompt_list[3][0])
+    outputs.update(engine.run_until_done())
+    assert torch.equal(outputs[greedy], expected[0]) and torch.equal(outputs[top1], expected[2])
+    assert outputs[sampled].shape[0] == prompt_list[1].shape[1] + MAX_NEW
+    assert engine.num_waiting == engine.num_running == 0 and engine.run_until_done() == {}
+
+
+def test_engine_takes_the_drafter_policy_and_resets_the_scheduler():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    scheduler = DSparkScheduler(VerificationCostTable([1.0 + 0.15 * i for i in range(40)]), mode="two_steps_ago")
+    for _ in range(2):  # history left over from an earlier generation
+        scheduler.select_lengths(torch.ones(1, 4))
+    drafter.verification_policy = scheduler
+    engine = batched.SpeculativeEngine(target, drafter)
+    assert engine.policy == "scheduler" and engine.policy_arg is scheduler and len(scheduler._history) == 0
+    prompt_list = prompts(3)
+    for prompt in prompt_list:
+        engine.submit(prompt[0], MAX_NEW)
+    outputs = engine.run_until_done()
+    for index, expected in enumerate(plain_greedy(target, prompt_list)):
+        assert torch.equal(outputs[index], expected)
+    assert len(engine.verified_tokens_per_round) > 2  # the stored-confidence rounds ran

@@ -216,10 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     profile.set_defaults(func=cmd_profile)
 
     from hf_dspark.cli.bench import add_parser as add_bench
+    from hf_dspark.cli.eval import add_parser as add_eval
     from hf_dspark.cli.generate import add_parser as add_generate
 
     add_generate(sub, list(DTYPES))
     add_bench(sub, list(DTYPES))
+    add_eval(sub, list(DTYPES))
     return parser
 
 

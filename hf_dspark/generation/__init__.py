@@ -1,4 +1,4 @@
-from .batched import BatchedOutput, batched_speculative_generate
+from .batched import BatchedOutput, SpeculativeEngine, batched_speculative_generate
 from .candidates import DraftCandidateGenerator, DSparkCandidateGenerator, Eagle3CandidateGenerator
 from .decoding import SpeculativeDecoderOnlyOutput, speculative_decoding
 from .stats import SpeculativeStats
@@ -10,6 +10,7 @@ __all__ = [
     "DSparkCandidateGenerator",
     "Eagle3CandidateGenerator",
     "SpeculativeDecoderOnlyOutput",
+    "SpeculativeEngine",
     "SpeculativeStats",
     "batched_speculative_generate",
     "greedy_verify",

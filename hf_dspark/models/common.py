@@ -257,6 +257,18 @@ class DraftPreTrainedModel(PreTrainedModel):
         self.verification_costs = None
         """Optional `hf_dspark.scheduling.VerificationCostTable`: with a confidence head, each round drafts only
         as many tokens as maximise expected tokens per second (`ThroughputDraftLength`)."""
+        self.verification_policy = None
+        """How many drafts each row verifies when `generate()` gets a batch of prompts (the batched engine; DSpark
+        and DFlash only). None derives it from the attributes above, so a drafter behaves alike at every batch
+        size: a `DSparkScheduler(verification_costs)` when a cost table is set and the drafter has a confidence
+        head, else `("threshold", confidence_threshold)` when a threshold is set (confidence head again), else
+        `"all"` (up to `num_draft_tokens`). Otherwise a policy name (`"all"`), a `(policy, policy_arg)` pair such
+        as `("fixed", 2)` or `("threshold", 0.4)`, or a scheduler object, e.g.
+        `DSparkScheduler(costs, mode="two_steps_ago")`; see `hf_dspark.generation.batched`."""
+        self.last_generation_stats = None
+        """`SpeculativeStats` of the latest `generate()` call (a batch: every request's rounds merged)."""
+        self.last_batch_output = None
+        """The per-request `BatchedOutput` of the latest batched `generate()` call (None until there is one)."""
         if config.draft_vocab_size is not None:
             self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=True)
         else:

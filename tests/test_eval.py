@@ -1,0 +1,217 @@
+"""`hf-dspark eval`: metrics from hand-built acceptance traces, answer extraction, prompt files, test execution,
+and a resumed end-to-end run of two drafters on a tiny random chat target saved to disk (real tokenizer)."""
+
+import json
+
+import pytest
+import torch
+
+from hf_dspark.evaluation import OutputMismatchError, SettingsMismatchError
+from hf_dspark.evaluation.harness import EvalSettings, RecordStore, check_identical
+from hf_dspark.evaluation.metrics import acceptance_summary, confidence_samples
+from hf_dspark.evaluation.prompts import load_prompt_sets
+from hf_dspark.evaluation.quality import (
+    extract_boxed_answer,
+    extract_code,
+    extract_number_answer,
+    reference_answer,
+    run_tests,
+)
+from hf_dspark.generation.stats import SpeculativeStats
+from conftest import tiny_drafter
+from test_regeneration import tiny_chat_target, tokenizer  # noqa: F401  (fixture)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def hand_trace() -> SpeculativeStats:
+    """Four rounds: (draft length, accepted, conditional confidences)."""
+    stats = SpeculativeStats()
+    for draft, accepted, confidences in [(4, 2, [0.9, 0.8, 0.3, 0.2]), (4, 4, [0.95, 0.9, 0.7, 0.6]),
+                                         (2, 0, [0.75, 0.5]), (3, 1, [0.7, 0.2, 0.9])]:
+        stats.record(draft, accepted, confidences)
+    return stats
+
+
+def test_acceptance_metrics_match_hand_values():
+    summary = acceptance_summary(hand_trace())
+    assert summary["rounds"] == 4
+    assert summary["tau"] == pytest.approx((2 + 4 + 0 + 1 + 4) / 4)  # accepted + one target token per round
+    assert summary["mean_draft_length"] == pytest.approx(13 / 4)
+    # slot 1: all 4 rounds reach it, 3 accept; slot 2: rounds 1, 2, 4 reach it, 2 accept; slot 3: rounds 1, 2.
+    assert summary["acceptance_by_slot"] == pytest.approx([3 / 4, 2 / 3, 1 / 2, 1.0], abs=1e-4)
+    assert summary["reached_by_slot"] == [4, 3, 2, 1]
+
+
+def test_calibration_samples_and_metrics_match_hand_values():
+    samples = confidence_samples(hand_trace())
+    # Reached slots only: round 1 slots 1-3, round 2 all 4, round 3 slot 1, round 4 slots 1-2.
+    assert samples["conditional"].tolist() == [0.9, 0.8, 0.3, 0.95, 0.9, 0.7, 0.6, 0.75, 0.7, 0.2]
+    assert samples["accepted"].tolist() == [1, 1, 0, 1, 1, 1, 1, 0, 1, 0]
+    # Cumulative products over every drafted slot, against "all slots so far accepted".
+    assert samples["cumulative"].numel() == 13
+    assert samples["cumulative"][:4].tolist() == pytest.approx([0.9, 0.72, 0.216, 0.0432])
+    assert samples["survived"].tolist() == [1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 1, 0, 0]
+
+    calibration = acceptance_summary(hand_trace())["calibration"]
+    # Bins of width 0.1: |mean c - rate| * count = 0.25 (0.9x) + 0.2 (0.8) + 0.15 (0.7x) + 0.4 + 0.3 + 0.2, / 10.
+    assert calibration["ece"] == pytest.approx(0.15, abs=1e-4)
+    # Positives beat the negatives 0.3 and 0.2 always, and 0.75 in 4 of 7 pairs: (7 + 7 + 4) / 21.
+    assert calibration["auroc"] == pytest.approx(6 / 7, abs=1e-4)
+    expected = (0.15 + 0.17 + 0.145 + 0.4015 + 2 * (0.5 - (0.3591 + 0.375) / 2) + 0.216 + 0.0432 + 0.266) / 13
+    assert calibration["ece_cumulative"] == pytest.approx(expected, abs=1e-4)
+    assert calibration["samples"] == 10 and calibration["cumulative_samples"] == 13
+
+
+def test_no_calibration_without_confidences():
+    stats = SpeculativeStats()
+    stats.record(4, 1)
+    stats.record(4, 4)
+    summary = acceptance_summary(stats)
+    assert "calibration" not in summary and summary["tau"] == pytest.approx(3.5)
+
+
+def test_answer_extraction():
+    assert extract_number_answer("She sells 9 eggs, so 9 * $2 = $18.") == "18"
+    assert extract_number_answer("Total: 1,250.00 dollars") == "1250"
+    assert extract_number_answer("so the answer is \\boxed{72} (checked 3 times)") == "72"
+    assert extract_number_answer("no digits here") is None
+    assert extract_boxed_answer("first \\boxed{1} then \\boxed{\\dfrac{1}{2}}.") == "\\frac{1}{2}"
+    assert extract_boxed_answer("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}") == "(3,\\frac{\\pi}{2})"
+    assert extract_boxed_answer("\\boxed{ 033 }") == "033" and extract_boxed_answer("\\boxed{12.0}") == "12"
+    assert extract_boxed_answer("unfinished \\boxed{\\frac{1}{2") is None
+    assert reference_answer("Janet sells 16 - 3 - 4 = 9 eggs.\n#### 18", "number") == "18"
+    assert extract_code("Here:\n```python\ndef f():\n    return 1\n```\nUse f().") == "def f():\n    return 1\n"
+
+
+def test_prompt_files_of_every_kind(tmp_path):
+    (tmp_path / "math.jsonl").write_text(json.dumps({"turns": ["1+1?"], "answer": 2}) + "\n"
+                                         + json.dumps({"turns": ["a", "b"], "test_list": ["assert f() == 1"],
+                                                       "test_imports": ["import math"]}) + "\n")
+    (tmp_path / "list.json").write_text(json.dumps(["hello", {"prompt": "bye"}]))
+    (tmp_path / "plain.txt").write_text("first prompt\n\nsecond prompt\n")
+    sets = load_prompt_sets([str(tmp_path / n) for n in ("math.jsonl", "list.json", "plain.txt")] + ["mt-bench"],
+                            max_prompts=2)
+    assert list(sets) == ["math", "list", "plain", "mt-bench"]
+    assert sets["math"][0].reference == "2" and sets["math"][1].tests == ["import math", "assert f() == 1"]
+    assert [p.turns for p in sets["list"]] == [["hello"], ["bye"]]
+    assert [p.turns for p in sets["plain"]] == [["first prompt"], ["second prompt"]]
+    assert len(sets["mt-bench"]) == 2 and len(sets["mt-bench"][0].turns) == 2
+    with pytest.raises(FileNotFoundError, match="neither a shipped benchmark"):
+        load_prompt_sets(["no-such-set"])
+
+
+def test_code_execution_passes_fails_and_times_out():
+    solution = "```python\ndef add(a, b):\n    return a + b\n```"
+    assert run_tests(solution, ["assert add(2, 3) == 5"])
+    assert not run_tests(solution, ["assert add(2, 3) == 6"])
+    humaneval_style = ["def check(candidate):\n    assert candidate(1, 1) == 2"]
+    assert run_tests(solution, humaneval_style, entry_point="add")
+    assert not run_tests("def add(a, b):\n    while True: pass", ["add(1, 2)"], timeout=1.0)
+
+
+def test_a_changed_greedy_output_fails_loudly_with_the_prompt_id(tmp_path):
+    plain = {"method": "plain", "benchmark": "gsm8k", "index": 3, "turns": [{"ids": [1, 2, 3], "text": ""}]}
+    lossy = {**plain, "method": "tiny", "turns": [{"ids": [1, 2, 4], "text": ""}]}
+    assert check_identical({**plain, "method": "tiny"}, plain, tmp_path, allow_mismatch=False)
+    with pytest.raises(OutputMismatchError, match=r"tiny changed the greedy output of gsm8k #3 .*token 2"):
+        check_identical(lossy, plain, tmp_path, allow_mismatch=False)
+    assert not check_identical(lossy, plain, tmp_path, allow_mismatch=True)
+    assert (tmp_path / "mismatch-tiny-gsm8k-3.json").is_file()
+
+
+def test_record_store_refuses_other_settings_and_drops_a_torn_line(tmp_path):
+    settings = EvalSettings("t", "float32", {"a": "p"}, 8, 0.0, 1.0, False, 0)
+    store = RecordStore(tmp_path, settings)
+    store.add({"method": "plain", "benchmark": "b", "index": 0, "fingerprint": "x", "turns": []})
+    with (tmp_path / "records.jsonl").open("a") as handle:
+        handle.write('{"method": "a", "bench')  # interrupted mid-write
+    assert len(RecordStore(tmp_path, settings).records) == 1
+    assert (tmp_path / "records.jsonl").read_text().count("\n") == 1
+    with pytest.raises(SettingsMismatchError, match="max_new_tokens: 8 there, 16 now"):
+        RecordStore(tmp_path, EvalSettings("t", "float32", {"a": "p"}, 16, 0.0, 1.0, False, 0))
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory, tokenizer):  # noqa: F811
+    folder = tmp_path_factory.mktemp("eval-models")
+    target = tiny_chat_target(tokenizer)
+    target.save_pretrained(folder / "target")
+    tokenizer.save_pretrained(folder / "target")
+    for kind in ("markov", "dflash"):  # with and without a confidence head
+        drafter = tiny_drafter(target, kind, block_size=4, draft_vocab_size=512)
+        drafter.set_draft_vocab(torch.arange(512))
+        drafter.save_pretrained(folder / kind)
+    return folder
+
+
+def test_eval_end_to_end_resumes_and_refuses_other_settings(saved_models, tmp_path, capsys):
+    from hf_dspark.cli.main import main
+
+    tasks = tmp_path / "arith.jsonl"
+    tasks.write_text("".join(json.dumps({"turns": [f"What is {i} + {i}? Answer in Python."], "reference": str(2 * i),
+                                         "test": "assert True"}) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    command = ["eval", "--target", str(saved_models / "target"), "--drafter", f"dspark={saved_models / 'markov'}",
+               "--drafter", f"dflash={saved_models / 'dflash'}", "--benchmarks", "gsm8k,mt-bench", str(tasks),
+               "--max-new-tokens", "8", "--multi-turn", "--execute-code", "--no-progress", "--output", str(out)]
+    assert main(command + ["--max-prompts", "1"]) == 0
+    first = (out / "records.jsonl").read_text()
+    assert len(first.splitlines()) == 3 * 3  # (plain + 2 drafters) x 3 sets x 1 prompt
+
+    assert main(command + ["--max-prompts", "2"]) == 0  # resumed: the first prompts are not regenerated
+    records = (out / "records.jsonl").read_text()
+    assert records.startswith(first) and len(records.splitlines()) == 3 * 3 * 2
+    mt_bench = [json.loads(line) for line in records.splitlines() if '"mt-bench"' in line]
+    assert all(len(r["turns"]) == 2 for r in mt_bench)  # multi-turn: both turns answered
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["greedy_outputs_identical"] is True and results["incomplete_prompts"] == 0
+    assert results["methods"] == ["plain", "dspark", "dflash"]
+    for drafter in ("dspark", "dflash"):
+        summary = results["results"][drafter]
+        assert summary["overall"]["prompts"] == 6 and set(summary["by_benchmark"]) == {"gsm8k", "mt-bench", "arith"}
+        for scope in [summary["overall"], *summary["by_benchmark"].values()]:
+            assert scope["tau"] >= 1 and scope["speedup"] > 0 and len(scope["acceptance_by_slot"]) <= 4
+            assert scope["identical_to_plain"]["rate"] == 1.0
+        assert summary["by_benchmark"]["gsm8k"]["answer_agreement"]["rate"] == 1.0
+        assert summary["by_benchmark"]["arith"]["answer_agreement"]["rate"] == 1.0
+    assert "calibration" in results["results"]["dspark"]["overall"]  # confidence head
+    assert "calibration" not in results["results"]["dflash"]["overall"]
+    arith = {m: results["results"][m]["by_benchmark"]["arith"] for m in results["methods"]}
+    assert len({json.dumps(a["accuracy"]) for a in arith.values()}) == 1  # same with and without speculation
+    assert len({json.dumps(a["pass_at_1"]) for a in arith.values()}) == 1 and arith["plain"]["pass_at_1"]["total"] == 2
+    assert arith["plain"]["answers_extracted"]["total"] == 2
+    assert results["benchmarks"]["arith"]["answer_format"] == "auto"
+    assert results["benchmarks"]["gsm8k"]["references"] == 0
+
+    markdown = (out / "results.md").read_text()
+    assert "| dspark |" in markdown and "| gsm8k | dflash |" in markdown and "**yes, all**" in markdown
+    for plot in ("acceptance_by_slot.png", "tau_by_benchmark.png", "calibration.png"):
+        assert (out / plot).read_bytes()[:8] == PNG_MAGIC
+        assert f"]({plot})" in markdown
+
+    capsys.readouterr()
+    longer = [("9" if arg == "8" else arg) for arg in command]  # --max-new-tokens 9
+    assert main(longer + ["--max-prompts", "1"]) == 2
+    assert "different settings" in capsys.readouterr().err
+
+
+def test_python_api_sampling_run_and_an_edited_prompt_file(saved_models, tmp_path, tokenizer):  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    from hf_dspark.evaluation import evaluate
+
+    target = AutoModelForCausalLM.from_pretrained(saved_models / "target").eval()
+    prompts = tmp_path / "chat.txt"
+    prompts.write_text("Say hello.\nName a colour.\n")
+    run = dict(output_dir=tmp_path / "out", target=target, tokenizer=tokenizer,
+               drafters={"dspark": saved_models / "markov"}, max_new_tokens=6, temperature=1.0, progress=False)
+    results = evaluate([str(prompts)], **run)
+    summary = results["results"]["dspark"]["by_benchmark"]["chat"]
+    assert summary["prompts"] == 2 and summary["tau"] >= 1 and "identical_to_plain" not in summary  # sampled
+    assert results["greedy_outputs_identical"] is None and results["settings"]["temperature"] == 1.0
+
+    prompts.write_text("Say goodbye.\nName a colour.\n")
+    with pytest.raises(SettingsMismatchError, match="chat #0 .*prompt file changed"):
+        evaluate([str(prompts)], **run)
