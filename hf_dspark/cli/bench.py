@@ -13,7 +13,7 @@ import torch
 
 
 def cmd_bench(args) -> int:
-    from hf_dspark.cli.generate import cost_table_for, load_drafter, shipped_drafter_path
+    from hf_dspark.cli.generate import load_drafters, shipped_drafter_path
     from hf_dspark.cli.main import load_target
     from hf_dspark.evaluation.speed import held_out_prompts, markdown_table, run_speed_benchmark
 
@@ -34,16 +34,7 @@ def cmd_bench(args) -> int:
     raw = {}
     for dtype in args.dtypes:
         target, tokenizer = load_target(args.target, dtype)
-        drafters = {}
-        for label, path in named.items():
-            drafter = load_drafter(path, target.dtype)
-            drafter.attach_target(target)
-            drafters[label] = drafter
-            if args.schedule and getattr(drafter, "confidence_proj", None) is not None:
-                scheduled = load_drafter(path, target.dtype)
-                scheduled.attach_target(target)
-                scheduled.verification_costs = cost_table_for(target, scheduled, args.target or "smollm2-135m-instruct")
-                drafters[f"{label}+schedule"] = scheduled
+        drafters = load_drafters(named, target, args.schedule, args.target or "smollm2-135m-instruct")
         for temperature in args.temperatures:
             title = f"{dtype}, {'greedy' if temperature == 0 else f'T={temperature:g}'}"
             print(f"== {title}", file=sys.stderr, flush=True)

@@ -27,7 +27,7 @@ def parse_benchmarks(items: list[str]) -> list[str]:
 
 
 def cmd_eval(args) -> int:
-    from hf_dspark.cli.generate import cost_table_for, load_drafter, shipped_drafter_path
+    from hf_dspark.cli.generate import load_drafters, shipped_drafter_path
     from hf_dspark.cli.main import load_target
     from hf_dspark.evaluation import OutputMismatchError, SettingsMismatchError, evaluate
     from hf_dspark.evaluation.harness import DEFAULT_TARGET_NAME, location
@@ -46,15 +46,7 @@ def cmd_eval(args) -> int:
         print(f"hf-dspark eval: {error}", file=sys.stderr)
         return 2
     target, tokenizer = load_target(args.target, args.dtype)
-    drafters = {}
-    for label, path in named.items():
-        drafter = load_drafter(path, target.dtype)
-        drafters[label] = drafter
-        if args.schedule and getattr(drafter, "confidence_proj", None) is not None:
-            scheduled = load_drafter(path, target.dtype)
-            scheduled.attach_target(target)
-            scheduled.verification_costs = cost_table_for(target, scheduled, args.target or "smollm2-135m-instruct")
-            drafters[f"{label}+schedule"] = scheduled
+    drafters = load_drafters(named, target, args.schedule, args.target or "smollm2-135m-instruct")
     command = None
     if sys.argv[1:2] == ["eval"]:  # run from the shell (not through main([...]) in Python)
         command = "hf-dspark eval " + " ".join(shlex.quote(a) for a in sys.argv[2:])

@@ -47,6 +47,22 @@ def cost_table_for(target, drafter, target_name: str):
     return table
 
 
+def load_drafters(named: dict[str, str], target, schedule: bool, target_name: str) -> dict:
+    """Load labelled drafters for `target`; with `schedule`, each confidence-headed one also runs as
+    `LABEL+schedule` with the throughput-scheduled draft length."""
+    drafters = {}
+    for label, path in named.items():
+        drafter = load_drafter(path, target.dtype)
+        drafter.attach_target(target)
+        drafters[label] = drafter
+        if schedule and getattr(drafter, "confidence_proj", None) is not None:
+            scheduled = load_drafter(path, target.dtype)
+            scheduled.attach_target(target)
+            scheduled.verification_costs = cost_table_for(target, scheduled, target_name)
+            drafters[f"{label}+schedule"] = scheduled
+    return drafters
+
+
 def chat_input_ids(tokenizer, messages: list[dict]) -> torch.LongTensor:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     return ids["input_ids"] if hasattr(ids, "keys") else ids

@@ -47,6 +47,18 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     speculative_stats: SpeculativeStats | None = None
 
 
+def _check_cache_and_inputs(model_kwargs: dict) -> None:
+    """What both the batch-1 and the batched paths need from generate()'s model inputs: a fresh cache, no extras."""
+    cache = model_kwargs.get("cache")
+    if cache is None:
+        raise ValueError("speculative decoding needs a cache; do not pass use_cache=False.")
+    if cache.get_seq_length() > 0:
+        raise ValueError("continuing from a pre-filled cache is not supported with hf_dspark drafters.")
+    unexpected = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _PASSED_BY_GENERATE)
+    if unexpected:
+        raise ValueError(f"hf_dspark speculative decoding does not forward these model inputs: {unexpected}")
+
+
 def _check_request(target, input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:
     if target.config.is_encoder_decoder:
         raise ValueError("hf_dspark drafters serve decoder-only targets; this target is encoder-decoder.")
@@ -63,14 +75,7 @@ def _check_request(target, input_ids, generation_config: GenerationConfig, model
             "The prompt's attention_mask contains padding. A single prompt needs no padding: tokenize it "
             "without padding (or strip the padded positions) before calling generate()."
         )
-    cache = model_kwargs.get("cache")
-    if cache is None:
-        raise ValueError("speculative decoding needs a cache; do not pass use_cache=False.")
-    if cache.get_seq_length() > 0:
-        raise ValueError("continuing from a pre-filled cache is not supported with hf_dspark drafters.")
-    unexpected = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _PASSED_BY_GENERATE)
-    if unexpected:
-        raise ValueError(f"hf_dspark speculative decoding does not forward these model inputs: {unexpected}")
+    _check_cache_and_inputs(model_kwargs)
 
 
 def _target_forward(target, tokens, cache, layer_indices, keep: int):
@@ -283,14 +288,7 @@ def _check_batch_request(target, drafter, generation_config: GenerationConfig, s
                 f"{' and '.join(wanted)} are not returned by batched speculative decoding (only sequences and "
                 f"speculative_stats are); drop them, {_BATCH_FIX}"
             )
-    cache = model_kwargs.get("cache")
-    if cache is None:
-        raise ValueError("speculative decoding needs a cache; do not pass use_cache=False.")
-    if cache.get_seq_length() > 0:
-        raise ValueError("continuing from a pre-filled cache is not supported with hf_dspark drafters.")
-    unexpected = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _PASSED_BY_GENERATE)
-    if unexpected:
-        raise ValueError(f"hf_dspark speculative decoding does not forward these model inputs: {unexpected}")
+    _check_cache_and_inputs(model_kwargs)
 
 
 @torch.no_grad()
