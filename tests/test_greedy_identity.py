@@ -224,3 +224,26 @@ def test_draft_vocabulary_only_proposes_its_tokens_and_stays_exact(kind):
     finally:
         DraftCandidateGenerator._choose = original
     assert proposed and set(proposed) <= set(allowed.tolist())
+
+
+def test_verification_padded_to_a_cheaper_size_stays_exact():
+    table = VerificationCostTable([1.0, 3.0, 3.0, 3.0, 1.2, 5.0, 5.0, 5.0])
+    assert [table.padded_tokens(n) for n in (1, 2, 4, 5, 6, 9)] == [1, 5, 5, 5, 6, 9]
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=6)
+    drafter.verification_costs = table
+    sizes = []
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]),
+                                            with_kwargs=True)
+    try:
+        for ids in prompts(3):
+            expected = plain_greedy(target, ids, max_new_tokens=16)
+            sizes.clear()
+            actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16)
+            assert torch.equal(actual, expected)
+            lengths = drafter.last_generation_stats.draft_lengths
+            # Every verification forward ran at the padded size of its drafts + 1 (after the prefill).
+            assert sizes[1:] == [table.padded_tokens(k + 1) for k in lengths]
+            assert any(table.padded_tokens(k + 1) > k + 1 for k in lengths)
+    finally:
+        hook.remove()

@@ -156,9 +156,15 @@ def speculative_decoding(
         candidates, draft_logits = generator.get_candidates(sequence, model_outputs=outputs, n_last_matches=num_accepted)
         draft_tokens = candidates[:, sequence.shape[1] :]
         started = time.perf_counter()
-        outputs, target_logits = _target_forward(
-            target, candidates[:, sequence.shape[1] - 1 :], cache, layer_indices, keep=draft_tokens.shape[1] + 1
-        )
+        tokens = candidates[:, sequence.shape[1] - 1 :]
+        real = tokens.shape[1]
+        if drafter.verification_costs is not None:
+            # Pad to the cheapest forward size: later dummy tokens cannot change earlier logits (causal), their
+            # features are never read and their cache entries are cropped with the rejected drafts.
+            padded = drafter.verification_costs.padded_tokens(real)
+            tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - real)], dim=-1)
+        outputs, target_logits = _target_forward(target, tokens, cache, layer_indices, keep=tokens.shape[1])
+        target_logits = target_logits[:, :real]
         generator.stats.add_seconds("verification", time.perf_counter() - started)
 
     if streamer is not None:

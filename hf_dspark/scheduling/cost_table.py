@@ -41,6 +41,19 @@ class VerificationCostTable:
         slope = (self.seconds[-1] - self.seconds[0]) / max(self.max_tokens - 1, 1)
         return self.seconds[-1] + slope * (num_tokens - self.max_tokens) + self.draft_seconds
 
+    def padded_tokens(self, num_tokens: int) -> int:
+        """The cheapest forward size m >= num_tokens in the table. On CPUs the cost is not monotone in the token
+        count (matrix kernels change with the shape), and a single request can always pad its verification with
+        dummy tokens after its real ones: causal attention keeps the real positions' logits unchanged."""
+        if num_tokens >= self.max_tokens:
+            return num_tokens
+        candidates = range(num_tokens, self.max_tokens + 1)
+        return min(candidates, key=lambda m: (self.seconds[m - 1], m))
+
+    def padded_round_seconds(self, num_tokens: int) -> float:
+        """Round cost when the verification may be padded to `padded_tokens(num_tokens)` (batch size 1)."""
+        return self.round_seconds(self.padded_tokens(num_tokens))
+
     def steps_per_second(self, num_tokens: int) -> float:
         """SPS(B): verification rounds per second with B tokens in the target forward."""
         return 1.0 / self.round_seconds(num_tokens)
