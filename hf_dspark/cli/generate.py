@@ -64,8 +64,10 @@ def load_drafters(named: dict[str, str], target, schedule: bool, target_name: st
 
 
 def chat_input_ids(tokenizer, messages: list[dict]) -> torch.LongTensor:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-    return ids["input_ids"] if hasattr(ids, "keys") else ids
+    """`chat_prompt_ids` as the (1, L) tensor `generate` takes."""
+    from hf_dspark.training.regenerate import chat_prompt_ids
+
+    return torch.tensor([chat_prompt_ids(tokenizer, messages)])
 
 
 def generate_once(target, tokenizer, drafter, input_ids, args, stream: bool = True):

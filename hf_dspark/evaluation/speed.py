@@ -9,14 +9,14 @@ for greedy decoding, how many outputs are identical to plain greedy.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..generation.stats import SpeculativeStats
-from . import benchmark_path
+from .metrics import acceptance_summary
+from .prompts import load_prompt_sets
 
 PROMPT_LOOKUP = "prompt-lookup"
 PLAIN = "plain"
@@ -24,12 +24,8 @@ PLAIN = "plain"
 
 def held_out_prompts(benchmarks: list[str], per_benchmark: int) -> list[tuple[str, str]]:
     """The first `per_benchmark` first turns of each shipped eval set (never used for training)."""
-    prompts = []
-    for name in benchmarks:
-        with open(benchmark_path(name), encoding="utf-8") as handle:
-            for line in list(handle)[:per_benchmark]:
-                prompts.append((name, json.loads(line)["turns"][0]))
-    return prompts
+    sets = load_prompt_sets(benchmarks, max_prompts=per_benchmark)
+    return [(name, prompt.turns[0]) for name, prompts in sets.items() for prompt in prompts]
 
 
 @dataclass
@@ -45,14 +41,8 @@ class MethodResult:
         rate = self.tokens / self.seconds if self.seconds else float("nan")
         out = {"tokens_per_s": round(rate, 2), "speedup": round(rate / plain_rate, 3) if plain_rate else None}
         if self.stats.num_rounds:
-            phases = self.stats.seconds
-            total = sum(phases.values()) or float("nan")
-            out.update(
-                tau=round(self.stats.tau, 3), mean_draft_length=round(self.stats.mean_draft_length, 2),
-                acceptance_by_slot=[None if math.isnan(x) else round(x, 3) for x in self.stats.acceptance_by_slot()],
-                tau_by_benchmark={k: round(v.tau, 3) for k, v in self.by_benchmark.items()},
-                time_share={k: round(v / total, 3) for k, v in sorted(phases.items())},
-            )
+            out.update(acceptance_summary(self.stats))
+            out["tau_by_benchmark"] = {k: round(v.tau, 3) for k, v in self.by_benchmark.items()}
         if self.compared:
             out["identical_to_plain"] = f"{self.identical}/{self.compared}"
         return out
@@ -108,7 +98,7 @@ def markdown_table(summaries: dict, title: str) -> str:
         shares = " / ".join(f"{share[k]:.2f}" if k in share else "-"
                             for k in ("verification", "backbone", "sequential_head", "drafting"))
         slots = ", ".join("-" if x is None else f"{x:.2f}" for x in s.get("acceptance_by_slot", []))
-        lines.append(f"| {method} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s.get('tau', '-')} | "
-                     f"{s.get('mean_draft_length', '-')} | {slots or '-'} | {s.get('identical_to_plain', '-')} | "
-                     f"{shares if share else '-'} |")
+        tau, draft = (f"{s['tau']:.3f}", f"{s['mean_draft_length']:.2f}") if "tau" in s else ("-", "-")
+        lines.append(f"| {method} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {tau} | {draft} | {slots or '-'} | "
+                     f"{s.get('identical_to_plain', '-')} | {shares if share else '-'} |")
     return "\n".join(lines) + "\n"

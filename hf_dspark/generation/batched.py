@@ -424,7 +424,7 @@ def _draft(drafter: DSparkDraftModel, rows: _Rows, budget: torch.LongTensor, pol
            sampling: _RowSampling, generator: torch.Generator | None) -> _Drafts:
     """One backbone pass for all rows (consuming the queued context), then the sequential head slot by slot.
 
-    Per row this is `DSparkCandidateGenerator._draft`: the same head step, confidence, temperature scaling and token
+    Per row this is `DSparkCandidateGenerator._draft` (both call `DSparkDraftModel.draft_slot`) with the same token
     choice. A row stops drafting at its budget, or (threshold policy) at the first slot whose cumulative confidence
     falls below the threshold, decided from c_1..c_j before x_j is drawn.
     """
@@ -447,24 +447,15 @@ def _draft(drafter: DSparkDraftModel, rows: _Rows, budget: torch.LongTensor, pol
     lengths = torch.zeros_like(budget)
     hidden, base_logits = out.last_hidden_state, out.base_logits
     head = drafter.sequential_head
-    has_confidence = drafter.confidence_proj is not None
-    temperatures = config.confidence_temperatures
     state = head.initial_state(num_rows, hidden) if head is not None else None
     drafting = budget > 0
     survival = torch.ones(num_rows, device=device)
     previous = rows.anchor
     for slot in range(slots):
-        logits = base_logits[:, slot]
-        previous_embedding = None
-        if head is not None:
-            mixed, previous_embedding, state = head.step(hidden[:, slot], drafter.head_rows(previous), state)
-            logits = logits + head.output(mixed).to(logits.dtype)
-        if has_confidence:
-            logit = drafter.confidence_logit(hidden[:, slot], previous_embedding)
-            if temperatures is not None:
-                logit = logit / temperatures[slot]
-            confidences[:, slot] = torch.sigmoid(logit.float())
-            survival = survival * confidences[:, slot]
+        logits, confidence, state = drafter.draft_slot(hidden[:, slot], base_logits[:, slot], previous, state, slot)
+        if confidence is not None:
+            confidences[:, slot] = confidence
+            survival = survival * confidence
             if policy == "threshold":
                 drafting = drafting & (survival >= policy_arg)
         drafting = drafting & (slot < budget)

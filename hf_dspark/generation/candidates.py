@@ -126,10 +126,8 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
         hidden, base_logits = out.last_hidden_state[0], out.base_logits[0]
         head = self.drafter.sequential_head
         threshold = self.drafter.confidence_threshold
-        has_confidence = self.drafter.confidence_proj is not None
-        temperatures = self.drafter.config.confidence_temperatures
         schedule = None
-        if has_confidence and self.drafter.verification_costs is not None:
+        if self.drafter.confidence_proj is not None and self.drafter.verification_costs is not None:
             schedule = ThroughputDraftLength(self.drafter.verification_costs)
 
         previous = input_ids[:, -1]
@@ -137,17 +135,10 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
         sequence, tokens, processed_logits = input_ids, [], []
         survival = 1.0
         for slot in range(budget):
-            logits = base_logits[slot : slot + 1]
-            previous_embedding = None
-            if head is not None:
-                mixed, previous_embedding, state = head.step(hidden[slot : slot + 1], self.drafter.head_rows(previous),
-                                                             state)
-                logits = logits + head.output(mixed).to(logits.dtype)
-            if has_confidence:
-                logit = self.drafter.confidence_logit(hidden[slot : slot + 1], previous_embedding)
-                if temperatures is not None:
-                    logit = logit / temperatures[slot]
-                confidence = torch.sigmoid(logit)
+            logits, confidence, state = self.drafter.draft_slot(
+                hidden[slot : slot + 1], base_logits[slot : slot + 1], previous, state, slot
+            )
+            if confidence is not None:
                 survival *= float(confidence)
                 # Stopping on c_1..c_k only (never on x_k itself) keeps the variable draft length lossless.
                 if threshold is not None and survival < threshold:

@@ -206,6 +206,26 @@ class DSparkDraftModel(DraftPreTrainedModel):
         features = hidden if previous_embedding is None else torch.cat([hidden, previous_embedding], dim=-1)
         return self.confidence_proj(features).squeeze(-1)
 
+    def draft_slot(
+        self, hidden: torch.Tensor, base_logits: torch.Tensor, previous_tokens: torch.LongTensor,
+        state: torch.Tensor | None, slot: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One drafting slot after the backbone pass, for N rows: `hidden` (N, d) and `base_logits` (N, V) of slot
+        `slot`, `previous_tokens` (N,) target ids x_{k-1} (the anchor for slot 0) -> (logits corrected by the
+        sequential head, float32 confidence c_k scaled by `config.confidence_temperatures` or None without a
+        confidence head, the head's next state). Start `state` at `sequential_head.initial_state(N, hidden)`."""
+        logits, previous_embedding = base_logits, None
+        if self.sequential_head is not None:
+            mixed, previous_embedding, state = self.sequential_head.step(hidden, self.head_rows(previous_tokens), state)
+            logits = logits + self.sequential_head.output(mixed).to(logits.dtype)
+        confidence = None
+        if self.confidence_proj is not None:
+            logit = self.confidence_logit(hidden, previous_embedding)
+            if self.config.confidence_temperatures is not None:
+                logit = logit / self.config.confidence_temperatures[slot]
+            confidence = torch.sigmoid(logit.float())
+        return logits, confidence, state
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -30,8 +30,11 @@ class RegenerationConfig:
     seed: int = 0
 
 
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """Token ids of a user prompt (or a whole conversation of `{"role", "content"}` messages) in the tokenizer's
+    chat template, ready for the assistant's answer."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
