@@ -26,6 +26,10 @@ AutoConfig.register(DSparkDraftConfig.model_type, DSparkDraftConfig, exist_ok=Tr
 AutoConfig.register(Eagle3DraftConfig.model_type, Eagle3DraftConfig, exist_ok=True)
 AutoModel.register(DSparkDraftConfig, DSparkDraftModel, exist_ok=True)
 AutoModel.register(Eagle3DraftConfig, Eagle3DraftModel, exist_ok=True)
+# save_pretrained then copies the modeling code and writes `auto_map`, so a folder loads without hf_dspark too.
+for _config_class, _model_class in ((DSparkDraftConfig, DSparkDraftModel), (Eagle3DraftConfig, Eagle3DraftModel)):
+    _config_class.register_for_auto_class("AutoConfig")
+    _model_class.register_for_auto_class("AutoModel")
 install_generate_hooks()
 
 

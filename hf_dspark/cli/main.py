@@ -114,6 +114,7 @@ def cmd_train(args) -> int:
         num_anchors=args.num_anchors, learning_rate=args.learning_rate, max_steps=args.max_steps,
         save_steps=args.save_steps, warmup_ratio=args.warmup_ratio, max_seconds=args.max_seconds,
         init_context=args.init_context_from_target, init_markov_bigrams=args.init_markov_from_bigrams, seed=args.seed, resume=not args.no_resume,
+        init_from=args.init_from,
         loss_weights={k: v for k, v in {"ce_weight": args.ce_weight, "tv_weight": args.tv_weight,
                                         "bce_weight": args.bce_weight, "kl_weight": args.kl_weight}.items()
                       if v is not None},
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None)
     train.add_argument("--no-resume", action="store_true")
+    train.add_argument("--init-from", help="start from this trained drafter folder (its config wins) under a new budget")
     train.set_defaults(func=cmd_train)
     profile = sub.add_parser("profile", help="measure SPS(B), the target's verification cost at B tokens, (and the "
                                              "drafter's round) on this hardware and write a cost table")
@@ -218,10 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     from hf_dspark.cli.bench import add_parser as add_bench
     from hf_dspark.cli.eval import add_parser as add_eval
     from hf_dspark.cli.generate import add_parser as add_generate
+    from hf_dspark.cli.hub import add_parser as add_hub
 
     add_generate(sub, list(DTYPES))
     add_bench(sub, list(DTYPES))
     add_eval(sub, list(DTYPES))
+    add_hub(sub)
     return parser
 
 

@@ -6,8 +6,11 @@ on identical prompts; a prompt an interruption left half-done is counted as inco
 
 from __future__ import annotations
 
+import platform
 import sys
 from dataclasses import asdict, dataclass
+
+import torch
 
 from ..generation.stats import SpeculativeStats
 from .metrics import acceptance_summary
@@ -31,6 +34,13 @@ class Outcome:
     """Extracted final answer equal to plain decoding's (None: no extractor for this set, or this is plain)."""
     correct: bool | None = None
     passed: bool | None = None
+
+
+def describe_hardware() -> str:
+    """Where the numbers were measured, for reports and model cards."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads (torch {torch.__version__})"
 
 
 def _stats(record: dict) -> SpeculativeStats | None:
@@ -149,7 +159,7 @@ def summarize(records: list[dict], settings, methods: list[str], *, execute_code
         }
     identical = [o.identical for m in methods for b in benchmarks for o in outcomes[m][b] if o.identical is not None]
     return {
-        "settings": asdict(settings) | {"greedy": settings.greedy},
+        "settings": asdict(settings) | {"greedy": settings.greedy, "hardware": describe_hardware()},
         "methods": methods,
         "benchmarks": infos,
         "incomplete_prompts": len(by_prompt) - len(complete),

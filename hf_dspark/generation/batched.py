@@ -36,9 +36,9 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
-from ..models.common import DraftContextCache
+from ..models.common import BLOCK_DRAFTER_TYPE, DraftContextCache, drafter_type
 from ..models.modeling_dspark import DSparkDraftModel
-from ..scheduling import DSparkScheduler
+from ..scheduling.scheduler import DSparkScheduler
 from .stats import SpeculativeStats
 from .verification import greedy_verify, rejection_sample
 
@@ -99,7 +99,7 @@ class SamplingParams:
 
 
 def _check_engine(target, drafter, policy, policy_arg) -> None:
-    if not isinstance(drafter, DSparkDraftModel):
+    if drafter_type(drafter) != BLOCK_DRAFTER_TYPE:
         raise ValueError(
             f"Batched speculative decoding supports DSpark/DFlash drafters (DSparkDraftModel), got "
             f"{type(drafter).__name__}. Use target.generate(..., assistant_model=drafter) per prompt for Eagle3."
@@ -610,7 +610,7 @@ class SpeculativeEngine:
 
     def __init__(self, target, drafter: DSparkDraftModel, policy: str | None = None, policy_arg=None, *,
                  generator: torch.Generator | None = None):
-        if policy is None and isinstance(drafter, DSparkDraftModel):
+        if policy is None and drafter_type(drafter) == BLOCK_DRAFTER_TYPE:
             policy, policy_arg = resolve_verification_policy(drafter)
         _check_engine(target, drafter, policy, policy_arg)
         drafter.attach_target(target)

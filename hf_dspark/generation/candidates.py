@@ -15,10 +15,10 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..models.common import DraftContextCache, DraftPreTrainedModel
+from ..models.common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, DraftContextCache, DraftPreTrainedModel, drafter_type
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
-from ..scheduling import ThroughputDraftLength
+from ..scheduling.draft_length import ThroughputDraftLength
 from .stats import SpeculativeStats
 
 
@@ -192,8 +192,8 @@ class Eagle3CandidateGenerator(DraftCandidateGenerator):
 def candidate_generator_for(
     drafter: DraftPreTrainedModel, logits_processor: LogitsProcessorList | None, generation_config: GenerationConfig
 ) -> DraftCandidateGenerator:
-    if isinstance(drafter, DSparkDraftModel):
+    if drafter_type(drafter) == BLOCK_DRAFTER_TYPE:
         return DSparkCandidateGenerator(drafter, logits_processor, generation_config)
-    if isinstance(drafter, Eagle3DraftModel):
+    if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
         return Eagle3CandidateGenerator(drafter, logits_processor, generation_config)
     raise TypeError(f"no candidate generator for {type(drafter).__name__}")

@@ -27,8 +27,7 @@ from transformers import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..models.common import DraftPreTrainedModel
-from ..models.modeling_dspark import DSparkDraftModel
+from ..models.common import BLOCK_DRAFTER_TYPE, DraftPreTrainedModel, drafter_type
 from .batched import BatchedOutput, SpeculativeEngine, check_left_padded, resolve_verification_policy
 from .candidates import candidate_generator_for
 from .stats import SpeculativeStats
@@ -275,7 +274,7 @@ def _batch_limits(stopping_criteria: StoppingCriteriaList, prompt_width: int) ->
 
 
 def _check_batch_request(target, drafter, generation_config: GenerationConfig, streamer, model_kwargs: dict) -> None:
-    if not isinstance(drafter, DSparkDraftModel):
+    if drafter_type(drafter) != BLOCK_DRAFTER_TYPE:
         raise ValueError(
             f"generate() with a batch of prompts runs the batched engine, which supports DSpark/DFlash drafters; "
             f"{type(drafter).__name__} serves one prompt at a time: call generate() per prompt."

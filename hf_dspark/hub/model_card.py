@@ -1,12 +1,21 @@
-"""Model cards for drafters, rendered from `templates/drafter_card.md` (YAML metadata + the facts a user
-needs: config, exact training commands, data, time, measured acceptance and speed)."""
+"""Model cards for drafters, rendered from the templates in the repository's `model_cards/` folder (YAML metadata
++ the facts a user needs: config, exact training commands, data, time, measured acceptance and speed)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-TEMPLATE = Path(__file__).parent / "templates" / "drafter_card.md"
+TEMPLATE = Path(__file__).parent / "templates" / "drafter_card.md"  # templates -> the repository's model_cards/
 KIND_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
+NOT_RECORDED = "Not recorded for this checkpoint."
+
+
+def drafter_kind(config) -> str:
+    """`dspark`, `dflash` or `eagle3` from a drafter config."""
+    if config.model_type == "eagle3_draft":
+        return "eagle3"
+    return "dflash" if getattr(config, "markov_head", None) is None else "dspark"
 
 
 def describe_config(config) -> str:
@@ -25,10 +34,61 @@ def describe_config(config) -> str:
     return ", ".join(parts) + "."
 
 
+def eval_results_table(results: dict | str | Path, method: str) -> str:
+    """Markdown results of `method` from an `hf-dspark eval` results.json: tau, speed-up and tokens/s per benchmark
+    and overall, the hardware and decoding settings, and the command that measured them."""
+    if not isinstance(results, dict):
+        results = json.loads(Path(results).read_text())
+    if method not in results["results"]:
+        raise ValueError(f"{method!r} is not in the evaluation results (methods: {results['methods']})")
+    measured = results["results"][method]
+    rows = ["| benchmark | prompts | tau | speed-up vs plain | tokens/s | slot-1 acceptance | identical to plain greedy |",
+            "|---|---|---|---|---|---|---|"]
+    for name, numbers in [*measured["by_benchmark"].items(), ("overall", measured["overall"])]:
+        slots = numbers.get("acceptance_by_slot") or [None]
+        identical = numbers.get("identical_to_plain")
+        identical = "-" if identical is None else f"{identical['count']}/{identical['total']}"
+        rows.append(
+            f"| {name} | {numbers['prompts']} | {numbers.get('tau', '-')} | {numbers.get('speedup', '-')}x | "
+            f"{numbers['tokens_per_s']} | {'-' if slots[0] is None else slots[0]} | "
+            f"{identical} |"
+        )
+    settings = results["settings"]
+    decoding = "greedy" if settings.get("greedy") else f"T={settings['temperature']}"
+    lines = ["\n".join(rows), "",
+             f"Hardware: {settings.get('hardware', 'not recorded')}; {settings['dtype']}, {decoding}, at most "
+             f"{settings['max_new_tokens']} new tokens, batch 1. tau counts the bonus token."]
+    if results.get("command"):
+        lines.append(f"Command: `{results['command']}`")
+    return "\n".join(lines)
+
+
 def render_model_card(*, kind: str, base_model: str, title: str, summary: str, config, commands: list[str],
                       training: str, measured: str, datasets: list[str]) -> str:
     return TEMPLATE.read_text().format(
         base_model=base_model, kind=kind, title=title, summary=summary, config=describe_config(config),
-        commands="\n".join(commands), training=training, measured=measured,
+        commands="\n".join(commands) or "# not recorded", training=training, measured=measured,
         datasets="\n".join(f"  - {d}" for d in datasets) or "  []",
     )
+
+
+def default_model_card(config, *, base_model: str | None = None, eval_results: dict | str | Path | None = None,
+                       eval_method: str | None = None) -> str:
+    """A card for a drafter that has none: metadata, config, and the evaluation results when given."""
+    if not base_model:
+        raise ValueError("a model card needs the target's Hub id as base_model (e.g. base_model='Qwen/Qwen3-8B')")
+    kind = drafter_kind(config)
+    measured = NOT_RECORDED
+    if eval_results is not None:
+        measured = eval_results_table(eval_results, eval_method or kind)
+    return render_model_card(
+        kind=kind, base_model=base_model, title=f"{KIND_NAMES[kind]} drafter for {base_model}",
+        summary=f"A {KIND_NAMES[kind]} speculative-decoding drafter for `{base_model}`, made with hf_dspark.",
+        config=config, commands=[], training=NOT_RECORDED, measured=measured, datasets=[],
+    )
+
+
+def replace_measured(card: str, table: str) -> str:
+    """Swap the `## Measured` section of an existing card for `table` (the section is added if missing)."""
+    head, marker, _ = card.partition("\n## Measured\n")
+    return f"{head}\n## Measured\n\n{table}\n"

@@ -3,6 +3,7 @@ context K/V cache, and the base class that binds a drafter to the frozen embeddi
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any
 
@@ -11,6 +12,22 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+BLOCK_DRAFTER_TYPE = "dspark"
+"""`model_type` of DSpark and DFlash drafters (`DSparkDraftConfig`)."""
+EAGLE3_DRAFTER_TYPE = "eagle3_draft"
+"""`model_type` of Eagle3 drafters (`Eagle3DraftConfig`)."""
+
+
+def drafter_type(model) -> str | None:
+    """`BLOCK_DRAFTER_TYPE`, `EAGLE3_DRAFTER_TYPE` or None. Read from the config rather than the class so that
+    a drafter loaded with `trust_remote_code=True` (another copy of our classes) is recognised too."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type if model_type in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE) else None
 
 
 class DrafterTargetMismatchError(ValueError):
@@ -331,6 +348,8 @@ class DraftPreTrainedModel(PreTrainedModel):
         problems = []
         if info.get("missing_keys"):
             problems.append(f"missing weights {sorted(info['missing_keys'])[:8]}")
+        if info.get("unexpected_keys"):
+            problems.append(f"weights this drafter does not have {sorted(info['unexpected_keys'])[:8]}")
         if info.get("mismatched_keys"):
             problems.append(f"weights with the wrong shape {[k for k, *_ in info['mismatched_keys']][:8]}")
         if problems:
@@ -339,6 +358,34 @@ class DraftPreTrainedModel(PreTrainedModel):
                 f"({'; '.join(problems)}). {fix}"
             )
         return (model, info) if return_info else model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save config and safetensors weights, plus what stock `transformers` needs to use the folder without
+        hf_dspark: the modeling code with `auto_map` (our classes are registered for the Auto classes on
+        `import hf_dspark`) and a `custom_generate/` folder running hf_dspark's decoding loop."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        try:
+            remote_code = importlib.import_module("hf_dspark.hub.remote_code")
+        except ImportError:  # this class was itself loaded as remote code, without hf_dspark
+            logger.warning("hf_dspark is not installed: %s gets no custom_generate/ folder", save_directory)
+            return
+        remote_code.write_custom_generate(save_directory)
+
+    def push_to_hub(self, repo_id: str, *, card: str | None = None, base_model: str | None = None,
+                    eval_results=None, private: bool | None = None, token: str | None = None,
+                    commit_message: str | None = None, revision: str | None = None, create_pr: bool = False):
+        """Upload the drafter with its model card to the Hub, or to the server `HF_ENDPOINT` points at.
+
+        Args:
+            repo_id: `org/name` of the model repository (created if missing).
+            card: model card text; default: the card of the folder the drafter was loaded from, else one rendered
+                from `model_cards/drafter_card.md` (then `base_model`, the target's Hub id, is required).
+            eval_results: an `hf-dspark eval` results.json (path or dict) whose numbers fill the card's results.
+        """
+        push = importlib.import_module("hf_dspark.hub.push")
+        return push.push_drafter(self, repo_id, card=card, base_model=base_model, eval_results=eval_results,
+                                 private=private, token=token, commit_message=commit_message, revision=revision,
+                                 create_pr=create_pr)
 
     # -- target binding -------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from typing import Any
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .common import QK_NORM_FAMILIES, default_target_layer_ids, target_shape_fields
+from .common import BLOCK_DRAFTER_TYPE, QK_NORM_FAMILIES, default_target_layer_ids, target_shape_fields
 
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn")
 
@@ -71,7 +71,7 @@ class DSparkDraftConfig(PreTrainedConfig):
         initializer_range (`float`): Std of the normal initialiser.
     """
 
-    model_type = "dspark"
+    model_type = BLOCK_DRAFTER_TYPE
 
     vocab_size: int = 32000
     hidden_size: int = 1024

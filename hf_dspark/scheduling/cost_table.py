@@ -110,8 +110,7 @@ def profile_verification_costs(target, max_tokens: int = 8, context_length: int 
 
 
 def _drafting_round(drafter, target, prefix):
-    from ..models.common import DraftContextCache
-    from ..models.modeling_dspark import DSparkDraftModel
+    from ..models.common import BLOCK_DRAFTER_TYPE, DraftContextCache, drafter_type
 
     drafter.attach_target(target)
     width = len(drafter.config.target_layer_ids) * target.config.get_text_config().hidden_size
@@ -121,7 +120,7 @@ def _drafting_round(drafter, target, prefix):
 
     def run():
         cache = DraftContextCache()
-        if isinstance(drafter, DSparkDraftModel):
+        if drafter_type(drafter) == BLOCK_DRAFTER_TYPE:
             block = prefix.new_full((1, gamma), drafter.config.mask_token_id)
             drafter(input_ids=block, target_hidden_states=features, cache=cache)
         else:

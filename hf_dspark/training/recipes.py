@@ -47,6 +47,18 @@ def build_drafter(kind: str, target, *, num_layers: int, block_size: int, markov
     return DSparkDraftModel(config)
 
 
+def continue_drafter(kind: str, path: str, target):
+    model_class = Eagle3DraftModel if kind == "eagle3" else DSparkDraftModel
+    drafter = model_class.from_pretrained(path)
+    if not isinstance(drafter, model_class):
+        raise ValueError(f"--init-from {path} holds a {type(drafter).__name__}, not a {kind} drafter")
+    has_sequential = getattr(drafter.config, "markov_head", None) is not None
+    if kind != "eagle3" and (kind == "dflash") == has_sequential:
+        raise ValueError(f"--init-from {path} is not a {kind} drafter (sequential head: {drafter.config.markov_head})")
+    drafter.attach_target(target)
+    return drafter.float().train()
+
+
 def assemble_dataset(tokenizer, regenerated: list[str], dataset_answers: int, max_length: int):
     parts = [RegeneratedDataset(path, max_length=max_length) for path in regenerated]
     if dataset_answers:
@@ -72,11 +84,16 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
                   target_layer_ids: list[int] | None, init_from_target: list[int] | None, max_length: int,
                   batch_size: int, num_anchors: int, learning_rate: float, max_steps: int, save_steps: int,
                   warmup_ratio: float, seed: int, resume: bool, loss_weights: dict | None = None,
-                  init_context: bool = False, init_markov_bigrams: bool = False) -> dict:
+                  init_context: bool = False, init_markov_bigrams: bool = False, init_from: str | None = None) -> dict:
     torch.manual_seed(seed)
     output = Path(output_dir)
-    drafter = build_drafter(kind, target, num_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
-                            draft_vocab_size=draft_vocab_size, target_layer_ids=target_layer_ids)
+    if init_from:
+        # Continue a trained drafter under a new budget: its config (layers, draft vocabulary) wins over the flags.
+        drafter = continue_drafter(kind, init_from, target)
+        draft_vocab_size, init_from_target, init_markov_bigrams = None, None, False
+    else:
+        drafter = build_drafter(kind, target, num_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
+                                draft_vocab_size=draft_vocab_size, target_layer_ids=target_layer_ids)
     if cache:
         dataset = TargetCacheDataset(cache, layer_ids=drafter.config.target_layer_ids)
     else:

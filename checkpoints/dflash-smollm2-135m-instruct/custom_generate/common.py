@@ -1,0 +1,445 @@
+"""Building blocks shared by every drafter: target introspection, normalisation, rotary embeddings, the
+context K/V cache, and the base class that binds a drafter to the frozen embedding and LM head of its target."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+BLOCK_DRAFTER_TYPE = "dspark"
+"""`model_type` of DSpark and DFlash drafters (`DSparkDraftConfig`)."""
+EAGLE3_DRAFTER_TYPE = "eagle3_draft"
+"""`model_type` of Eagle3 drafters (`Eagle3DraftConfig`)."""
+
+
+def drafter_type(model) -> str | None:
+    """`BLOCK_DRAFTER_TYPE`, `EAGLE3_DRAFTER_TYPE` or None. Read from the config rather than the class so that
+    a drafter loaded with `trust_remote_code=True` (another copy of our classes) is recognised too."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type if model_type in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE) else None
+
+
+class DrafterTargetMismatchError(ValueError):
+    """A drafter was used with a target model whose shapes or depth it was not built for."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Target introspection
+# --------------------------------------------------------------------------------------------------------------
+
+
+def target_text_config(target_config: PreTrainedConfig) -> PreTrainedConfig:
+    """The decoder config of a target (the text config of multimodal wrappers such as Gemma3)."""
+    return target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+
+
+def global_rope_parameters(text_config: PreTrainedConfig) -> dict[str, Any]:
+    """The rotary parameters of the target's full-attention layers.
+
+    Families with per-layer-type rope (Gemma3: ``{"full_attention": {...}, "sliding_attention": {...}}``) are
+    reduced to the full-attention entry because a drafter attends over the whole context.
+    """
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        rope = rope["full_attention"]
+    rope = dict(rope)
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", getattr(text_config, "rope_theta", 10000.0))
+    return rope
+
+
+def target_shape_fields(target_config: PreTrainedConfig) -> dict[str, Any]:
+    """Every size a drafter copies from its target so that it can share the target's embedding and LM head."""
+    text = target_text_config(target_config)
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    hidden_act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
+    return {
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
+        "head_dim": head_dim,
+        "hidden_act": hidden_act,
+        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+        "max_position_embeddings": getattr(text, "max_position_embeddings", 4096),
+        "rope_parameters": global_rope_parameters(text),
+        "target_num_hidden_layers": text.num_hidden_layers,
+        "target_model_type": text.model_type,
+    }
+
+
+# Families whose attention normalises queries and keys per head; drafters for them do the same.
+QK_NORM_FAMILIES = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "olmo2", "olmo3"}
+
+
+def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """``count`` target layers spread evenly from layer 1 to layer L-3 (DFlash's rule; gives DeepSpec's Qwen3
+    presets [1, 9, 17, 25, 33] for 36 layers). Shallow targets get fewer, distinct layers."""
+    last_allowed = num_target_layers - 2  # HF returns the final layer only after the final norm
+    if last_allowed < 0:
+        raise ValueError(f"a target needs at least 2 decoder layers to feed a drafter, got {num_target_layers}")
+    low, high = min(1, last_allowed), max(min(1, last_allowed), num_target_layers - 3)
+    if count == 1:
+        return [(low + high) // 2]
+    ids = [round(low + (high - low) * i / (count - 1)) for i in range(count)]
+    return sorted(set(ids))
+
+
+def check_drafter_matches_target(draft_config: PreTrainedConfig, target_config: PreTrainedConfig) -> None:
+    """Raise :class:`DrafterTargetMismatchError` naming the problem and the fix when a drafter cannot serve a
+    target. Called before any token is produced."""
+    text = target_text_config(target_config)
+    name = type(draft_config).__name__
+    fix = (
+        "Use a drafter trained for this target, or build one with "
+        f"`{name}.from_target_config(target.config)` and train it."
+    )
+    if draft_config.hidden_size != text.hidden_size:
+        raise DrafterTargetMismatchError(
+            f"The drafter's hidden_size ({draft_config.hidden_size}) differs from the target's ({text.hidden_size}): "
+            f"it cannot share the target's embedding and LM head. {fix}"
+        )
+    if draft_config.vocab_size != text.vocab_size:
+        raise DrafterTargetMismatchError(
+            f"The drafter's vocab_size ({draft_config.vocab_size}) differs from the target's ({text.vocab_size}): "
+            f"they do not share a tokenizer. {fix}"
+        )
+    last_allowed = text.num_hidden_layers - 2
+    bad = [i for i in draft_config.target_layer_ids if not 0 <= i <= last_allowed]
+    if bad:
+        raise DrafterTargetMismatchError(
+            f"The drafter reads target layers {bad}, but this target has {text.num_hidden_layers} layers "
+            f"(usable ids are 0..{last_allowed}; the last layer is only exposed after the final norm). {fix}"
+        )
+    mask_id = getattr(draft_config, "mask_token_id", None)
+    if mask_id is not None and not 0 <= mask_id < text.vocab_size:
+        raise DrafterTargetMismatchError(
+            f"The drafter's mask_token_id ({mask_id}) is outside the target's vocabulary of {text.vocab_size}. {fix}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------------------------
+
+
+class DraftRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: PreTrainedConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftRotaryEmbedding(nn.Module):
+    """Rotary embedding with the target's rope type and parameters (default, llama3, yarn, ...)."""
+
+    def __init__(self, config: PreTrainedConfig):
+        super().__init__()
+        self.config = config
+        inv_freq, self.attention_scaling = self.compute_inv_freq()
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+
+    def compute_inv_freq(self) -> tuple[torch.Tensor, float]:
+        rope_type = self.config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            dim = self.config.head_dim
+            base = self.config.rope_parameters["rope_theta"]
+            return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        return ROPE_INIT_FUNCTIONS[rope_type](self.config)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape (batch, heads, length, head_dim) by per-position (batch, length, head_dim) angles."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+class DraftContextCache:
+    """Per-layer keys and values of the context a drafter has already projected.
+
+    Only context rows live here (target features for DSpark/DFlash, target features plus own chain steps for
+    Eagle3); speculative rows are cropped away after each round so rejected tokens leave no trace.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+
+    def get_seq_length(self) -> int:
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[-2]
+
+    def update(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (batch, kv_heads, new, head_dim) rows for one layer and return all rows of that layer."""
+        while len(self.keys) <= layer_idx:
+            self.keys.append(None)
+            self.values.append(None)
+        if self.keys[layer_idx] is not None:
+            keys = torch.cat([self.keys[layer_idx], keys], dim=-2)
+            values = torch.cat([self.values[layer_idx], values], dim=-2)
+        self.keys[layer_idx], self.values[layer_idx] = keys, values
+        return keys, values
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` rows of every layer."""
+        if length < 0:
+            raise ValueError(f"cannot crop a drafter cache to a negative length ({length})")
+        self.keys = [None if k is None else k[..., :length, :] for k in self.keys]
+        self.values = [None if v is None else v[..., :length, :] for v in self.values]
+
+
+def attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads; ``attention_mask`` is boolean (True = may attend)."""
+    return nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=attention_mask, scale=scaling, enable_gqa=keys.shape[1] != query.shape[1]
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Base class
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _TargetHeads:
+    """Holds the target's embedding and LM head without registering them as drafter submodules, so they are
+    neither saved with the drafter nor trained by it."""
+
+    def __init__(self, embed_tokens: nn.Module, lm_head: nn.Module):
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.draft_weight: torch.Tensor | None = None  # LM-head rows of the draft vocabulary, sliced once
+
+
+class DraftPreTrainedModel(PreTrainedModel):
+    """Common behaviour of hf_dspark drafters: safetensors checkpoints, target binding and compatibility."""
+
+    base_model_prefix = "drafter"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+
+    def __init__(self, config: PreTrainedConfig):
+        super().__init__(config)
+        self._target_heads: _TargetHeads | None = None
+        self.confidence_threshold: float | None = None
+        """Optional static threshold: drafting stops at the first slot whose cumulative confidence falls below it."""
+        self.num_draft_tokens: int | None = None
+        """Draft length per round (defaults to ``config.block_size``)."""
+        self.verification_costs = None
+        """Optional `hf_dspark.scheduling.VerificationCostTable`: with a confidence head, each round drafts only
+        as many tokens as maximise expected tokens per second (`ThroughputDraftLength`)."""
+        self.verification_policy = None
+        """How many drafts each row verifies when `generate()` gets a batch of prompts (the batched engine; DSpark
+        and DFlash only). None derives it from the attributes above, so a drafter behaves alike at every batch
+        size: a `DSparkScheduler(verification_costs)` when a cost table is set and the drafter has a confidence
+        head, else `("threshold", confidence_threshold)` when a threshold is set (confidence head again), else
+        `"all"` (up to `num_draft_tokens`). Otherwise a policy name (`"all"`), a `(policy, policy_arg)` pair such
+        as `("fixed", 2)` or `("threshold", 0.4)`, or a scheduler object, e.g.
+        `DSparkScheduler(costs, mode="two_steps_ago")`; see `hf_dspark.generation.batched`."""
+        self.last_generation_stats = None
+        """`SpeculativeStats` of the latest `generate()` call (a batch: every request's rounds merged)."""
+        self.last_batch_output = None
+        """The per-request `BatchedOutput` of the latest batched `generate()` call (None until there is one)."""
+        if config.draft_vocab_size is not None:
+            self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_to_target = None
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Width of the drafter's logits: the draft vocabulary if it has one, else the target's."""
+        return self.config.draft_vocab_size or self.config.vocab_size
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft over these target token ids (e.g. the most frequent tokens of the training answers)."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if self.draft_to_target is None or token_ids.numel() != self.draft_to_target.numel():
+            raise ValueError(f"expected {self.output_vocab_size} token ids, got {token_ids.numel()}")
+        if token_ids.unique().numel() != token_ids.numel() or not (0 <= token_ids).all() or not (token_ids < self.config.vocab_size).all():
+            raise ValueError("draft vocabulary ids must be distinct target token ids")
+        self.draft_to_target.copy_(token_ids.to(self.draft_to_target.device))
+        if self._target_heads is not None:
+            self._target_heads.draft_weight = None
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DraftRMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, DraftRotaryEmbedding):
+            # Non-persistent buffer: from_pretrained leaves it uninitialised unless it is recomputed here.
+            with torch.no_grad():
+                module.inv_freq.copy_(module.compute_inv_freq()[0])
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load a drafter from safetensors only, refusing checkpoints with missing or mis-shaped weights
+        (stock loading would silently re-initialise them and the drafter would propose garbage)."""
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("hf_dspark drafters load weights from safetensors only; drop use_safetensors=False.")
+        kwargs["use_safetensors"] = True
+        return_info = kwargs.pop("output_loading_info", False)
+        fix = (
+            "It was saved for a different drafter config or is incomplete: load it with the config.json saved "
+            "beside it, or re-save it with save_pretrained() from a matching drafter."
+        )
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+            )
+        except RuntimeError as error:
+            if "mismatched_sizes" not in str(error):
+                raise
+            raise ValueError(
+                f"The checkpoint at {pretrained_model_name_or_path!r} has weights with the wrong shape for "
+                f"{cls.__name__} (see the load report above). {fix}"
+            ) from error
+        problems = []
+        if info.get("missing_keys"):
+            problems.append(f"missing weights {sorted(info['missing_keys'])[:8]}")
+        if info.get("mismatched_keys"):
+            problems.append(f"weights with the wrong shape {[k for k, *_ in info['mismatched_keys']][:8]}")
+        if problems:
+            raise ValueError(
+                f"The checkpoint at {pretrained_model_name_or_path!r} does not fit {cls.__name__} "
+                f"({'; '.join(problems)}). {fix}"
+            )
+        return (model, info) if return_info else model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save config and safetensors weights, plus what stock `transformers` needs to use the folder without
+        hf_dspark: the modeling code with `auto_map` (our classes are registered for the Auto classes on
+        `import hf_dspark`) and a `custom_generate/` folder running hf_dspark's decoding loop."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        try:
+            remote_code = importlib.import_module("hf_dspark.hub.remote_code")
+        except ImportError:  # this class was itself loaded as remote code, without hf_dspark
+            logger.warning("hf_dspark is not installed: %s gets no custom_generate/ folder", save_directory)
+            return
+        remote_code.write_custom_generate(save_directory)
+
+    def push_to_hub(self, repo_id: str, *, card: str | None = None, base_model: str | None = None,
+                    eval_results=None, private: bool | None = None, token: str | None = None,
+                    commit_message: str | None = None, revision: str | None = None, create_pr: bool = False):
+        """Upload the drafter with its model card to the Hub, or to the server `HF_ENDPOINT` points at.
+
+        Args:
+            repo_id: `org/name` of the model repository (created if missing).
+            card: model card text; default: the card of the folder the drafter was loaded from, else one rendered
+                from `model_cards/drafter_card.md` (then `base_model`, the target's Hub id, is required).
+            eval_results: an `hf-dspark eval` results.json (path or dict) whose numbers fill the card's results.
+        """
+        push = importlib.import_module("hf_dspark.hub.push")
+        return push.push_drafter(self, repo_id, card=card, base_model=base_model, eval_results=eval_results,
+                                 private=private, token=token, commit_message=commit_message, revision=revision,
+                                 create_pr=create_pr)
+
+    # -- target binding -------------------------------------------------------------------------------------
+
+    def check_compatible(self, target_config: PreTrainedConfig) -> None:
+        check_drafter_matches_target(self.config, target_config)
+
+    def attach_target(self, target: PreTrainedModel) -> None:
+        """Share ``target``'s (frozen) input embedding and LM head. Generation does this for you."""
+        self.check_compatible(target.config)
+        lm_head = target.get_output_embeddings()
+        if lm_head is None:
+            raise DrafterTargetMismatchError(
+                f"{type(target).__name__} has no LM head; load the target with AutoModelForCausalLM."
+            )
+        self._target_heads = _TargetHeads(target.get_input_embeddings(), lm_head)
+
+    @property
+    def target_heads(self) -> _TargetHeads:
+        if self._target_heads is None:
+            raise RuntimeError(
+                f"{type(self).__name__} shares its target's embedding and LM head, and none is attached. "
+                "Call `drafter.attach_target(target)` first (generate() and the trainer do it for you)."
+            )
+        return self._target_heads
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.target_heads.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the drafter's output vocabulary (the draft vocabulary if set) from final normed states."""
+        heads = self.target_heads
+        weight = heads.lm_head.weight
+        if self.draft_to_target is not None:
+            if heads.draft_weight is None or heads.draft_weight.device != weight.device:
+                heads.draft_weight = weight.detach()[self.draft_to_target.to(weight.device)]
+            weight = heads.draft_weight
+        bias = getattr(heads.lm_head, "bias", None)
+        if bias is not None and self.draft_to_target is not None:
+            bias = bias[self.draft_to_target.to(bias.device)]
+        return nn.functional.linear(hidden_states.to(weight.dtype), weight, bias)
+
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Spread draft-vocabulary logits over the full target vocabulary (-inf for tokens never drafted)."""
+        if self.draft_to_target is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_to_target.to(logits.device), logits)
+
+    @property
+    def target_hidden_state_indices(self) -> list[int]:
+        """Indices into a target's ``hidden_states`` tuple (index 0 is the embeddings) that the drafter reads."""
+        return [i + 1 for i in self.config.target_layer_ids]
+
+    def draft_length(self) -> int:
+        return self.num_draft_tokens or self.config.block_size
+
+
+def attention_scaling(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,206 @@
+"""Configuration of the DSpark drafter (and of DFlash, which is DSpark without its sequential and confidence heads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+from .common import BLOCK_DRAFTER_TYPE, QK_NORM_FAMILIES, default_target_layer_ids, target_shape_fields
+
+SEQUENTIAL_HEADS = ("markov", "gated", "rnn")
+
+
+# DeepSpec's published drafter settings per target (5 layers, block 7, Markov rank 256, confidence head).
+DEEPSPEC_PRESETS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen3-4B": {"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669},
+    "Qwen/Qwen3-8B": {"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669},
+    "Qwen/Qwen3-14B": {"target_layer_ids": [1, 10, 19, 28, 37], "mask_token_id": 151669},
+    "google/gemma-4-12B-it": {"target_layer_ids": [5, 17, 29, 41, 46], "mask_token_id": 4},
+}
+_PRESET_COMMON = {"num_hidden_layers": 5, "block_size": 7, "markov_head": "markov", "markov_rank": 256,
+                  "confidence_head": True}
+
+
+@strict
+class DSparkDraftConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`DSparkDraftModel`]: a parallel drafting backbone that predicts a whole block of
+    `block_size` tokens in one pass from fused target hidden states, plus an optional sequential head and an
+    optional confidence head.
+
+    The width, heads, rotary embedding and vocabulary are copied from the target (see
+    [`~DSparkDraftConfig.from_target_config`]) because the drafter shares the target's frozen embedding and
+    LM head.
+
+    Args:
+        vocab_size (`int`): Target vocabulary size.
+        hidden_size (`int`): Target hidden size (the drafter's width).
+        intermediate_size (`int`): MLP width of each drafter layer.
+        num_hidden_layers (`int`): Depth of the drafter (DeepSpec uses 5).
+        num_attention_heads (`int`), num_key_value_heads (`int`), head_dim (`int`): Attention shape.
+        hidden_act (`str`): MLP activation.
+        rms_norm_eps (`float`): RMSNorm epsilon.
+        max_position_embeddings (`int`): Longest position the rotary embedding is built for.
+        rope_parameters (`dict`): Rotary parameters of the target's full-attention layers.
+        attention_bias (`bool`): Whether the q/k/v/o projections have biases.
+        qk_norm (`bool`): RMSNorm on queries and keys per head (Qwen3 style; DeepSpec's layout).
+        block_size (`int`): gamma, the number of slots drafted per round. Slot k predicts the token at
+            anchor + k + 1; the anchor token is itself the first prediction slot.
+        target_layer_ids (`list[int]`): Target decoder layers whose outputs are fused into the context
+            (HF `hidden_states[i + 1]`). The target's last layer is not allowed (HF only exposes it after the
+            final norm).
+        target_num_hidden_layers (`int`): Depth of the target the drafter was built for.
+        target_model_type (`str`): `model_type` of that target (informational).
+        mask_token_id (`int`): Token whose target embedding fills the block slots after the anchor.
+        markov_head (`str` or `None`): Sequential head that adds a bias from the previously sampled token to
+            each slot's logits: `"markov"` (low-rank bigram), `"gated"` (bigram gated by the slot's hidden
+            state), `"rnn"` (a gated recurrent state carried across slots), or `None` (DFlash).
+        markov_rank (`int`): Rank r of the sequential head's token embedding W1 (V x r) and output W2 (r x V).
+            With a draft vocabulary both are indexed by it (W1 has one more row shared by every token outside
+            it), which keeps the head, and the checkpoint, small.
+        confidence_head (`bool`): Predict, per slot, the probability that the slot is accepted given that its
+            prefix was (sigmoid of a linear map of `[h_k ; W1[x_{k-1}]]`).
+        confidence_temperatures (`list[float]`, *optional*): Sequential Temperature Scaling, one temperature per
+            slot applied to the confidence logit at inference (`sigmoid(logit / T_k)`), fitted left to right on
+            held-out generations by `hf_dspark.scheduling.fit_sequential_temperatures`. `None` = no scaling.
+        draft_vocab_size (`int`, *optional*): Draft over only this many target tokens (the most frequent in
+            the training answers; ids in the `draft_to_target` buffer). Drafting and the draft LM head get
+            cheaper; verification stays exact over the full vocabulary. `None` drafts over all tokens.
+        initializer_range (`float`): Std of the normal initialiser.
+    """
+
+    model_type = BLOCK_DRAFTER_TYPE
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 2816
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    qk_norm: bool = True
+    block_size: int = 7
+    target_layer_ids: list[int] | None = None
+    target_num_hidden_layers: int | None = None
+    target_model_type: str | None = None
+    mask_token_id: int = 0
+    markov_head: str | None = "markov"
+    markov_rank: int = 256
+    confidence_head: bool = True
+    confidence_temperatures: list[float] | None = None
+    draft_vocab_size: int | None = None
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        if self.target_layer_ids is None:
+            depth = self.target_num_hidden_layers or 2 * self.num_hidden_layers + 3
+            self.target_layer_ids = default_target_layer_ids(depth, self.num_hidden_layers)
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        if self.markov_head is not None and self.markov_head not in SEQUENTIAL_HEADS:
+            raise ValueError(f"markov_head must be one of {SEQUENTIAL_HEADS} or None, got {self.markov_head!r}")
+        if self.markov_head is not None and self.markov_rank <= 0:
+            raise ValueError(
+                f"markov_head={self.markov_head!r} needs markov_rank > 0 (got {self.markov_rank}); "
+                "set markov_head=None for a DFlash drafter"
+            )
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}")
+        if self.confidence_temperatures is not None and (
+            len(self.confidence_temperatures) != self.block_size or min(self.confidence_temperatures) <= 0
+        ):
+            raise ValueError(f"confidence_temperatures needs {self.block_size} positive values (one per slot), got "
+                             f"{self.confidence_temperatures}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size}) "
+                f"and be a multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def is_dflash(self) -> bool:
+        """True when this is a plain DFlash backbone (no sequential head, no confidence head)."""
+        return self.markov_head is None and not self.confidence_head
+
+    @classmethod
+    def from_target_config(cls, target_config: PreTrainedConfig, **overrides: Any) -> "DSparkDraftConfig":
+        """Derive a drafter config from any causal-LM config (Llama, Qwen3, Gemma, ...).
+
+        Sizes, heads and rotary parameters come from the target (and per-head q/k norms for families that use
+        them, e.g. Qwen3 and Gemma3); `target_layer_ids` defaults to
+        `num_hidden_layers` layers spread evenly over the target; `mask_token_id` defaults to the target's pad
+        token (else its EOS token). Any field can be overridden.
+        """
+        fields = target_shape_fields(target_config)
+        fields["qk_norm"] = fields["target_model_type"] in QK_NORM_FAMILIES
+        fields.update(overrides)
+        num_layers = fields.setdefault("num_hidden_layers", cls.num_hidden_layers)
+        if "target_layer_ids" not in overrides:
+            fields["target_layer_ids"] = default_target_layer_ids(fields["target_num_hidden_layers"], num_layers)
+        if "mask_token_id" not in overrides:
+            fields["mask_token_id"] = _default_mask_token_id(target_config)
+        return cls(**fields)
+
+    @classmethod
+    def dflash_from_target_config(cls, target_config: PreTrainedConfig, **overrides: Any) -> "DSparkDraftConfig":
+        """A DFlash drafter config: the DSpark backbone with no sequential head and no confidence head."""
+        overrides.setdefault("markov_head", None)
+        overrides.setdefault("markov_rank", 0)
+        overrides.setdefault("confidence_head", False)
+        return cls.from_target_config(target_config, **overrides)
+
+    @classmethod
+    def for_target(cls, name: str, target_config: PreTrainedConfig | None = None, **overrides: Any) -> "DSparkDraftConfig":
+        """DeepSpec's settings for a published target (`DEEPSPEC_PRESETS`), sized from its config.
+
+        `target_config` defaults to `AutoConfig.from_pretrained(name)` (the Hub or its local cache). Raises if the
+        name has no preset or the preset's target layers do not fit the config's depth.
+        """
+        if name not in DEEPSPEC_PRESETS:
+            raise ValueError(f"no DeepSpec preset for {name!r}; presets: {', '.join(DEEPSPEC_PRESETS)}. "
+                             "Use DSparkDraftConfig.from_target_config(target.config) for any other target.")
+        if target_config is None:
+            from transformers import AutoConfig
+
+            target_config = AutoConfig.from_pretrained(name)
+        preset = DEEPSPEC_PRESETS[name]
+        depth = target_config.get_text_config().num_hidden_layers
+        if max(preset["target_layer_ids"]) > depth - 2:
+            raise ValueError(f"the {name} preset reads target layers {preset['target_layer_ids']}, which do not fit "
+                             f"this {depth}-layer config; pass the config of the model the preset names")
+        return cls.from_target_config(target_config, **{**_PRESET_COMMON, **preset, **overrides})
+
+
+def _default_mask_token_id(target_config: PreTrainedConfig) -> int:
+    text = target_config.get_text_config()
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(text, name, None)
+        if value is None:
+            value = getattr(target_config, name, None)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+__all__ = ["DSparkDraftConfig"]

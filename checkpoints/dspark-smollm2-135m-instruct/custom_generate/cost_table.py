@@ -1,0 +1,130 @@
+"""What a verification round costs on this hardware, profiled once and reused by the schedulers."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class VerificationCostTable:
+    """Measured seconds of one target forward over n new tokens (`seconds[n - 1]`, n = 1..len), plus the drafter's
+    seconds per round. On a GPU n tokens cost about as much as one; on a CPU without fast bf16 they can cost n times
+    as much, which is why the draft length that maximises throughput depends on the machine.
+
+    Args:
+        seconds: forward seconds for 1, 2, ... tokens at a typical context length.
+        draft_seconds: seconds the drafter spends per round (paid whatever the draft length).
+        description: where and how it was measured (device, dtype, context length).
+    """
+
+    seconds: list[float]
+    draft_seconds: float = 0.0
+    description: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.seconds or any(s <= 0 for s in self.seconds):
+            raise ValueError("a cost table needs a positive time for every token count from 1 up")
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self.seconds)
+
+    def round_seconds(self, num_tokens: int) -> float:
+        """Seconds of a round that verifies `num_tokens` tokens (drafts + 1); beyond the table, extrapolated."""
+        if num_tokens <= self.max_tokens:
+            return self.seconds[num_tokens - 1] + self.draft_seconds
+        slope = (self.seconds[-1] - self.seconds[0]) / max(self.max_tokens - 1, 1)
+        return self.seconds[-1] + slope * (num_tokens - self.max_tokens) + self.draft_seconds
+
+    def padded_tokens(self, num_tokens: int) -> int:
+        """The cheapest forward size m >= num_tokens in the table. On CPUs the cost is not monotone in the token
+        count (matrix kernels change with the shape), and a single request can always pad its verification with
+        dummy tokens after its real ones: causal attention keeps the real positions' logits unchanged."""
+        if num_tokens >= self.max_tokens:
+            return num_tokens
+        candidates = range(num_tokens, self.max_tokens + 1)
+        return min(candidates, key=lambda m: (self.seconds[m - 1], m))
+
+    def padded_round_seconds(self, num_tokens: int) -> float:
+        """Round cost when the verification may be padded to `padded_tokens(num_tokens)` (batch size 1)."""
+        return self.round_seconds(self.padded_tokens(num_tokens))
+
+    def steps_per_second(self, num_tokens: int) -> float:
+        """SPS(B): verification rounds per second with B tokens in the target forward."""
+        return 1.0 / self.round_seconds(num_tokens)
+
+    @classmethod
+    def from_steps_per_second(cls, steps_per_second: list[float], **kwargs) -> "VerificationCostTable":
+        """A table given as SPS(1), SPS(2), ... (e.g. by hand, for simulation)."""
+        return cls([1.0 / s for s in steps_per_second], **kwargs)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "VerificationCostTable":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+@torch.no_grad()
+def profile_verification_costs(target, max_tokens: int = 8, context_length: int = 256, repeats: int = 5,
+                               drafter=None, warmup: int = 2) -> VerificationCostTable:
+    """Time target forwards over 1..max_tokens new tokens after a `context_length`-token prefix (median of
+    `repeats`), and, with `drafter`, one drafting round of a DSpark/DFlash backbone or an Eagle3 step chain."""
+    device = next(target.parameters()).device
+    vocab = target.config.get_text_config().vocab_size
+    prefix = torch.randint(0, vocab, (1, context_length), device=device)
+    out = target(input_ids=prefix, use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+
+    def timed(fn) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def step(n: int):
+        def run():
+            target(input_ids=torch.randint(0, vocab, (1, n), device=device), cache=cache, use_cache=True)
+            cache.crop(-n)
+        return run
+
+    seconds = [timed(step(n)) for n in range(1, max_tokens + 1)]
+    draft_seconds = timed(_drafting_round(drafter, target, prefix)) if drafter is not None else 0.0
+    return VerificationCostTable(seconds, draft_seconds, {
+        "device": str(device), "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
+        "context_length": context_length, "threads": torch.get_num_threads(), "repeats": repeats})
+
+
+def _drafting_round(drafter, target, prefix):
+    from .common import BLOCK_DRAFTER_TYPE, DraftContextCache, drafter_type
+
+    drafter.attach_target(target)
+    width = len(drafter.config.target_layer_ids) * target.config.get_text_config().hidden_size
+    dtype = next(drafter.parameters()).dtype
+    features = torch.zeros(1, 1, width, device=prefix.device, dtype=dtype)
+    gamma = drafter.config.block_size
+
+    def run():
+        cache = DraftContextCache()
+        if drafter_type(drafter) == BLOCK_DRAFTER_TYPE:
+            block = prefix.new_full((1, gamma), drafter.config.mask_token_id)
+            drafter(input_ids=block, target_hidden_states=features, cache=cache)
+        else:
+            out = drafter(input_ids=prefix[:, :1], target_hidden_states=features, cache=cache)
+            for _ in range(gamma - 1):
+                out = drafter(input_ids=prefix[:, :1], hidden_states=out.hidden_states[:, -1:], cache=cache)
+    return run

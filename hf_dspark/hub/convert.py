@@ -1,0 +1,323 @@
+"""DeepSpec checkpoints <-> hf_dspark drafters.
+
+DeepSpec (`deepseek-ai/dspark_qwen3_8b_block7`, `dflash_qwen3_8b_block7`) saves `Qwen3DSparkModel`, and
+`eagle3_qwen3_8b_ttt7` saves `Qwen3Eagle3Model`: a copy of the target's Qwen3 config plus drafter fields, and flat
+weight names. vLLM (`"method": "dspark"`) and SGLang load that
+layout, so exporting to it is how a drafter trained here is served at scale. The backbone keys are the same on both
+sides; the heads are renamed:
+
+    DeepSpec                          hf_dspark
+    markov_head.markov_w1.weight      sequential_head.token_embedding.weight   (W1, rows indexed by token)
+    markov_head.markov_w2.weight      sequential_head.output.weight            (W2)
+    markov_head.gate_proj.*           sequential_head.gate.*                   (gated head)
+    markov_head.joint_proj.*          sequential_head.cell.*                   (rnn head)
+    confidence_head.proj.*            confidence_proj.*
+    embed_tokens / lm_head            not stored: the target's own (checked against the target when given)
+    d2t / t2d (vLLM draft vocab)      draft_to_target
+
+Eagle3 keys (`fc`, `layers.0.*` with q/k norms, `norm`) are the same on both sides; `ttt_length` is our `block_size`.
+The forward math was compared term by term with DeepSpec's modeling code (same weights give the same logits);
+the tests check the mapping and that an export/import round trip keeps every logit.
+
+Slot convention: DeepSpec and hf_dspark both feed `[anchor, mask x (gamma-1)]` and train slot k to predict the
+token at anchor + k + 1. z-lab DFlash and `vllm-project/speculators` checkpoints (`sample_from_anchor: false`)
+train slot j to predict anchor + j with slot 0 unused. Same tensor names, different function: loading one as the
+other gives tau ~ 1 with no error anywhere, so such checkpoints are refused here, and exports say
+`sample_from_anchor: true` explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+from ..models.common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, DrafterTargetMismatchError, drafter_type
+from ..models.configuration_dspark import DSparkDraftConfig
+from ..models.configuration_eagle3 import Eagle3DraftConfig
+from ..models.modeling_dspark import DSparkDraftModel
+from ..models.modeling_eagle3 import Eagle3DraftModel
+
+DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
+HEAD_NAMES = {  # DeepSpec -> hf_dspark
+    "markov_head.markov_w1.weight": "sequential_head.token_embedding.weight",
+    "markov_head.markov_w2.weight": "sequential_head.output.weight",
+    "markov_head.gate_proj.weight": "sequential_head.gate.weight",
+    "markov_head.gate_proj.bias": "sequential_head.gate.bias",
+    "markov_head.joint_proj.weight": "sequential_head.cell.weight",
+    "markov_head.joint_proj.bias": "sequential_head.cell.bias",
+    "confidence_head.proj.weight": "confidence_proj.weight",
+    "confidence_head.proj.bias": "confidence_proj.bias",
+}
+EAGLE3_ARCHITECTURE = "Qwen3Eagle3Model"
+MARKOV_TYPES = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}  # DeepSpec markov_head_type -> our markov_head
+SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+IGNORED = ("rotary_emb.inv_freq", "t2d")
+
+
+class SlotConventionError(ValueError):
+    """The checkpoint's slot k predicts anchor + k (speculators / z-lab DFlash), not anchor + k + 1."""
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Slot convention
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def check_slot_convention(config: dict, source: str) -> None:
+    """Refuse checkpoints whose slot k predicts anchor + k (they would silently give tau ~ 1)."""
+    architectures = config.get("architectures") or []
+    reasons = []
+    if "DFlashDraftModel" in architectures:
+        reasons.append("architecture DFlashDraftModel (z-lab DFlash: logits from slots 1..B-1)")
+    if config.get("speculators_model_type"):
+        if not config.get("sample_from_anchor", False):
+            reasons.append(f"speculators_model_type={config['speculators_model_type']!r} without sample_from_anchor")
+    nested = config.get("dflash_config") or {}
+    if config.get("sample_from_anchor") is False or nested.get("sample_from_anchor") is False:
+        reasons.append("sample_from_anchor: false")
+    if config.get("dspark_bonus_anchor") is True:
+        reasons.append("dspark_bonus_anchor: true")
+    if reasons:
+        raise SlotConventionError(
+            f"{source} trains slot j to predict the token at anchor + j ({'; '.join(reasons)}), while DeepSpec and "
+            "hf_dspark train slot k to predict anchor + k + 1 from the block [anchor, mask, ...]. The weights have "
+            "the same names but a different function: loaded as-is the drafter would silently reach tau ~ 1. "
+            "Relabelling slots cannot fix it (that slot 0 was never trained), so it is refused: retrain with "
+            "`hf-dspark train`, or serve it with the engine it was made for (method 'dflash' in vLLM/SGLang)."
+        )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Import: DeepSpec -> hf_dspark
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no .safetensors weights (hf_dspark loads safetensors only)")
+    weights = {}
+    for file in files:
+        weights.update(load_file(file))
+    return weights
+
+
+def _target_like(config: dict):
+    """DeepSpec's drafter config is a copy of the target's: read the shared sizes through the target's class."""
+    return AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures", "auto_map")})
+
+
+def config_from_deepspec(config: dict, source: str = "checkpoint") -> DSparkDraftConfig | Eagle3DraftConfig:
+    architectures = config.get("architectures") or []
+    check_slot_convention(config, source)
+    if EAGLE3_ARCHITECTURE in architectures:
+        if config["num_hidden_layers"] != 1:
+            raise ValueError(f"{source} is a {config['num_hidden_layers']}-layer Eagle3: DeepSpec feeds every layer "
+                             "[embedding ; hidden] while hf_dspark's layers after the first are plain; only 1 layer "
+                             "converts exactly")
+        return Eagle3DraftConfig.from_target_config(
+            _target_like(config), num_hidden_layers=1, target_num_hidden_layers=config.get("num_target_layers"),
+            block_size=config.get("ttt_length", 7), target_layer_ids=list(config["target_layer_ids"]),
+            qk_norm=True, attention_bias=bool(config.get("attention_bias", False)),
+            draft_vocab_size=_draft_vocab_size(config))
+    if DSPARK_ARCHITECTURE not in architectures:
+        raise ValueError(
+            f"{source} is a {architectures or 'checkpoint without architectures'}; `hf-dspark convert` reads "
+            f"DeepSpec's {DSPARK_ARCHITECTURE} (DSpark and DFlash) and {EAGLE3_ARCHITECTURE}. Gemma4DSparkModel "
+            "uses Gemma layers, which hf_dspark's drafters do not reproduce."
+        )
+    rank = int(config.get("markov_rank", 0))
+    head_type = config.get("markov_head_type", "vanilla")
+    if rank and head_type not in MARKOV_TYPES:
+        raise ValueError(f"{source} has markov_head_type={head_type!r}; hf_dspark converts {sorted(MARKOV_TYPES)}")
+    confidence = bool(config.get("enable_confidence_head", False))
+    if confidence and rank and not config.get("confidence_head_with_markov", False):
+        raise ValueError(f"{source}'s confidence head reads h_k only (confidence_head_with_markov false); "
+                         "hf_dspark's reads [h_k ; W1[x_{k-1}]] whenever there is a Markov head")
+    return DSparkDraftConfig.from_target_config(
+        _target_like(config),
+        num_hidden_layers=config["num_hidden_layers"],
+        target_num_hidden_layers=config.get("num_target_layers"),
+        block_size=config["block_size"],
+        target_layer_ids=list(config["target_layer_ids"]),
+        mask_token_id=config["mask_token_id"],
+        markov_head=MARKOV_TYPES[head_type] if rank else None,
+        markov_rank=rank,
+        confidence_head=confidence,
+        qk_norm=True,  # Qwen3 layers
+        attention_bias=bool(config.get("attention_bias", False)),
+        draft_vocab_size=_draft_vocab_size(config),
+    )
+
+
+def _draft_vocab_size(config: dict) -> int | None:
+    draft_vocab = config.get("draft_vocab_size")
+    return draft_vocab if draft_vocab and draft_vocab < config["vocab_size"] else None
+
+
+def import_deepspec(folder: str | Path, target=None) -> DSparkDraftModel | Eagle3DraftModel:
+    """Load a DeepSpec `Qwen3DSparkModel` (or `Qwen3Eagle3Model`) folder as a `DSparkDraftModel` (or
+    `Eagle3DraftModel`), every tensor accounted for.
+
+    With `target`, its stored embedding and LM head must equal the target's (else the drafter was trained for
+    another model); without, they are dropped and `attach_target` shares the target's at generation time.
+    """
+    folder = Path(folder)
+    config_dict = json.loads((folder / "config.json").read_text())
+    config = config_from_deepspec(config_dict, str(folder))
+    weights = _read_weights(folder)
+    state = {}
+    draft_vocab = config.draft_vocab_size
+    if draft_vocab:
+        if "d2t" not in weights:
+            raise ValueError(f"{folder}: draft_vocab_size={draft_vocab} needs the d2t offsets tensor")
+        state["draft_to_target"] = torch.arange(draft_vocab) + weights.pop("d2t").long()
+    for name, tensor in weights.items():
+        if name in IGNORED or name in SHARED_WITH_TARGET:
+            continue
+        state[HEAD_NAMES.get(name, name)] = tensor
+    if draft_vocab and "sequential_head.token_embedding.weight" in state:
+        state["sequential_head.token_embedding.weight"] = _compress_rows(
+            state["sequential_head.token_embedding.weight"], state["draft_to_target"], folder)
+    drafter = Eagle3DraftModel(config) if isinstance(config, Eagle3DraftConfig) else DSparkDraftModel(config)
+    expected = set(drafter.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{folder} does not fit DeepSpec's {config_dict['architectures'][0]} layout: missing "
+                         f"{missing[:8]}, unexpected {unexpected[:8]}")
+    drafter.load_state_dict(state, strict=True)
+    if target is not None:
+        drafter.check_compatible(target.config)
+        _check_shared_weights(weights, target, drafter, folder)
+    return drafter.eval()
+
+
+def _compress_rows(w1_full: torch.Tensor, draft_to_target: torch.Tensor, source) -> torch.Tensor:
+    """W1 over the whole vocabulary -> our draft-vocabulary rows plus one row shared by every other token."""
+    outside = torch.ones(w1_full.shape[0], dtype=torch.bool)
+    outside[draft_to_target] = False
+    others = w1_full[outside]
+    if len(others) and not torch.equal(others, others[:1].expand_as(others)):
+        raise ValueError(f"{source}: W1 rows of tokens outside the draft vocabulary differ; hf_dspark keeps one "
+                         "shared row for them, so this head cannot be represented exactly")
+    shared = others[:1] if len(others) else w1_full.new_zeros(1, w1_full.shape[1])
+    return torch.cat([w1_full[draft_to_target], shared])
+
+
+def _check_shared_weights(weights, target, drafter, source) -> None:
+    embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    rows = drafter.draft_to_target if drafter.draft_to_target is not None else slice(None)
+    for name, reference in (("embed_tokens.weight", embedding), ("lm_head.weight", head[rows])):
+        if name in weights and not torch.equal(weights[name].to(reference.dtype), reference.detach().cpu()):
+            close = weights[name].shape == reference.shape and torch.allclose(
+                weights[name].float(), reference.detach().float().cpu(), atol=1e-2, rtol=1e-2)
+            if not close:
+                raise DrafterTargetMismatchError(
+                    f"{source}'s {name} is not the target's ({tuple(weights[name].shape)} vs "
+                    f"{tuple(reference.shape)}): it was trained for another model. Pass the target it names.")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Export: hf_dspark -> DeepSpec (what vLLM and SGLang load)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | Path, target=None) -> Path:
+    """Write `drafter` in DeepSpec's `Qwen3DSparkModel` / `Qwen3Eagle3Model` layout (flat config, safetensors,
+    explicit `sample_from_anchor: true`). With `target`, its embedding and LM head are included (DeepSpec's own
+    loader wants them; vLLM and SGLang share the target's when absent, except for a draft vocabulary's LM head)."""
+    kind = drafter_type(drafter)
+    if kind not in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
+        raise ValueError(f"DeepSpec's layouts hold DSpark/DFlash and Eagle3 drafters, not {type(drafter).__name__}")
+    config = drafter.config
+    architecture = DSPARK_ARCHITECTURE if kind == BLOCK_DRAFTER_TYPE else EAGLE3_ARCHITECTURE
+    if not config.qk_norm:
+        raise ValueError(
+            f"DeepSpec/vLLM's {architecture} has Qwen3 layers with per-head q/k RMSNorm, and this drafter "
+            f"(for a {config.target_model_type} target) has none, so exporting would change its outputs. Train the "
+            "drafter with qk_norm=True (from_target_config(..., qk_norm=True)) to serve it there."
+        )
+    if kind == EAGLE3_DRAFTER_TYPE and config.num_hidden_layers != 1:
+        raise ValueError("DeepSpec's Eagle3 feeds every layer [embedding ; hidden]; only 1-layer drafters export")
+    if getattr(config, "confidence_temperatures", None) is not None:
+        raise ValueError("DeepSpec's layout has no per-slot confidence temperatures; they would be lost")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ours_to_theirs = {v: k for k, v in HEAD_NAMES.items()}
+    weights = {}
+    for name, tensor in drafter.state_dict().items():
+        if name == "draft_to_target":
+            continue
+        weights[ours_to_theirs.get(name, name)] = tensor.detach().cpu().contiguous()
+    vocab = config.vocab_size
+    draft_ids = drafter.draft_to_target
+    if draft_ids is not None:
+        if target is None:
+            raise ValueError("a drafter with a draft vocabulary exports its LM head rows (vLLM requires them with "
+                             "d2t): pass the target")
+        draft_ids = draft_ids.cpu()
+        weights["d2t"] = (draft_ids - torch.arange(len(draft_ids))).contiguous()
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[draft_ids] = True
+        weights["t2d"] = t2d
+        if "markov_head.markov_w1.weight" in weights:
+            rows = weights["markov_head.markov_w1.weight"]
+            full = rows[-1:].expand(vocab, -1).clone()
+            full[draft_ids] = rows[:-1]
+            weights["markov_head.markov_w1.weight"] = full
+    if target is not None:
+        drafter.check_compatible(target.config)
+        head = target.get_output_embeddings().weight.detach().cpu()
+        dtype = next(drafter.parameters()).dtype
+        weights["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().cpu().to(dtype).contiguous()
+        weights["lm_head.weight"] = (head[draft_ids] if draft_ids is not None else head).to(dtype).contiguous()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(deepspec_config(drafter, target), indent=2) + "\n")
+    return folder
+
+
+def deepspec_config(drafter: DSparkDraftModel | Eagle3DraftModel, target=None) -> dict:
+    config = drafter.config
+    base = target.config.get_text_config().to_dict() if target is not None else {
+        "model_type": config.target_model_type or "qwen3", "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim, "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings, "rope_parameters": config.rope_parameters,
+        "attention_bias": config.attention_bias}
+    for key in ("auto_map", "_name_or_path", "transformers_version", "dtype", "torch_dtype", "layer_types",
+                "sliding_window", "max_window_layers", "use_sliding_window"):
+        base.pop(key, None)
+    common = {
+        "num_target_layers": config.target_num_hidden_layers,
+        "num_hidden_layers": config.num_hidden_layers,
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * config.num_hidden_layers,
+        "target_layer_ids": list(config.target_layer_ids),
+    }
+    if config.draft_vocab_size:
+        common["draft_vocab_size"] = config.draft_vocab_size
+    if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
+        return {**base, **common, "architectures": [EAGLE3_ARCHITECTURE], "ttt_length": config.block_size,
+                "draft_num_hidden_layers": config.num_hidden_layers,
+                # vLLM's eagle3 reads the capture indices (HF hidden_states indices: layer id + 1).
+                "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids]}
+    rank = config.markov_rank if config.markov_head is not None else 0
+    fields = {
+        "architectures": [DSPARK_ARCHITECTURE],
+        "block_size": config.block_size,
+        "mask_token_id": config.mask_token_id,
+        "enable_confidence_head": bool(config.confidence_head),
+        "markov_rank": rank,
+        "sample_from_anchor": True,  # slot k predicts anchor + k + 1 (DeepSpec's convention), said explicitly
+        "dspark_bonus_anchor": False,
+    }
+    if config.confidence_head:
+        fields["confidence_head_with_markov"] = rank > 0
+    if rank:
+        fields["markov_head_type"] = {v: k for k, v in MARKOV_TYPES.items()}[config.markov_head]
+    return {**base, **common, **fields}
