@@ -205,3 +205,19 @@ def test_stage_drafter_writes_loadable_folder(saved, tmp_path):
     again = hf_dspark.DSparkDraftModel.from_pretrained(staged)
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(tensor, again.state_dict()[name])
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_shipped_folders_carry_the_current_code(kind):
+    """The code copied into each shipped drafter is today's source (re-run scripts/ship_drafter.py after edits)."""
+    from hf_dspark.hub.remote_code import flatten_imports, module_closure
+
+    folder = ROOT / "checkpoints" / f"{kind}-smollm2-135m-instruct"
+    models = ROOT / "hf_dspark" / "models"
+    for copy in folder.glob("*.py"):
+        assert copy.read_text() == (models / copy.name).read_text(), f"{copy} is stale"
+    copies = {p.name for p in (folder / "custom_generate").glob("*.py")} - {"generate.py"}
+    assert copies == {m.name for m in module_closure()}
+    for module in module_closure():
+        assert (folder / "custom_generate" / module.name).read_text() == flatten_imports(module.read_text()), (
+            f"{folder}/custom_generate/{module.name} is stale")

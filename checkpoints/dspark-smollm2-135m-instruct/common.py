@@ -348,6 +348,8 @@ class DraftPreTrainedModel(PreTrainedModel):
         problems = []
         if info.get("missing_keys"):
             problems.append(f"missing weights {sorted(info['missing_keys'])[:8]}")
+        if info.get("unexpected_keys"):
+            problems.append(f"weights this drafter does not have {sorted(info['unexpected_keys'])[:8]}")
         if info.get("mismatched_keys"):
             problems.append(f"weights with the wrong shape {[k for k, *_ in info['mismatched_keys']][:8]}")
         if problems:

@@ -63,10 +63,24 @@ def eval_results_table(results: dict | str | Path, method: str) -> str:
     return "\n".join(lines)
 
 
+def describe_serving(config) -> str:
+    """How the drafter reaches vLLM / SGLang: DeepSpec's layout when its layers can be written there exactly."""
+    if getattr(config, "qk_norm", False) and getattr(config, "markov_head", None) != "rnn":
+        return ("Serving at scale: `hf-dspark convert <this folder> <out> --target <target>` writes DeepSpec's layout, "
+                "which vLLM loads with `--speculative-config '{\"method\": \"dspark\", \"model\": \"<out>\", "
+                f"\"num_speculative_tokens\": {config.block_size}, \"enable_adaptive_verification\": true}}'` "
+                "(Eagle3: `\"method\": \"eagle3\"`), and SGLang likewise.")
+    return ("Serving at scale: DeepSpec's layout, which vLLM and SGLang load, has Qwen3 layers with per-head q/k "
+            "norms; this drafter (for a " + str(config.target_model_type) + " target) has none, so "
+            "`hf-dspark convert` refuses to export it rather than change its outputs. Serve it with transformers "
+            "(batched: `hf_dspark.generation.SpeculativeEngine`).")
+
+
 def render_model_card(*, kind: str, base_model: str, title: str, summary: str, config, commands: list[str],
                       training: str, measured: str, datasets: list[str]) -> str:
     return TEMPLATE.read_text().format(
         base_model=base_model, kind=kind, title=title, summary=summary, config=describe_config(config),
+        serving=describe_serving(config),
         commands="\n".join(commands) or "# not recorded", training=training, measured=measured,
         datasets="\n".join(f"  - {d}" for d in datasets) or "  []",
     )

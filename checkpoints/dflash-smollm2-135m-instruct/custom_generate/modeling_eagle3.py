@@ -50,11 +50,15 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = DraftRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = DraftRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
 
     def forward(self, x, rope, attention_mask, cache) -> torch.Tensor:
         batch, length, _ = x.shape
-        query = apply_rotary(self.q_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2), *rope)
-        keys = apply_rotary(self.k_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2), *rope)
+        query = self.q_norm(self.q_proj(x).view(batch, length, -1, self.head_dim))
+        keys = self.k_norm(self.k_proj(x).view(batch, length, -1, self.head_dim))
+        query = apply_rotary(query.transpose(1, 2), *rope)
+        keys = apply_rotary(keys.transpose(1, 2), *rope)
         values = self.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
         if cache is not None:
             keys, values = cache.update(self.layer_idx, keys, values)

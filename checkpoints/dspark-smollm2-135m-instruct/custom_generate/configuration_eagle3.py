@@ -7,7 +7,7 @@ from typing import Any
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .common import EAGLE3_DRAFTER_TYPE, target_shape_fields
+from .common import EAGLE3_DRAFTER_TYPE, QK_NORM_FAMILIES, target_shape_fields
 
 
 def default_eagle3_layer_ids(num_target_layers: int) -> list[int]:
@@ -31,6 +31,8 @@ class Eagle3DraftConfig(PreTrainedConfig):
         max_position_embeddings (`int`), rope_parameters (`dict`): Copied from the target.
         num_hidden_layers (`int`): Drafter depth (EAGLE-3 uses 1).
         attention_bias (`bool`): Biases on the attention projections.
+        qk_norm (`bool`): RMSNorm on queries and keys per head before the rotary embedding (Qwen3 style, as in
+            DeepSpec's Qwen3 Eagle3 drafter). `from_target_config` turns it on for targets whose attention has it.
         block_size (`int`): Chain length drafted per round.
         target_layer_ids (`list[int]`): Target decoder layers whose outputs are fused (HF `hidden_states[i + 1]`).
         target_num_hidden_layers (`int`): Depth of the target the drafter was built for.
@@ -55,6 +57,7 @@ class Eagle3DraftConfig(PreTrainedConfig):
     max_position_embeddings: int = 32768
     rope_parameters: dict | None = None
     attention_bias: bool = False
+    qk_norm: bool = False
     block_size: int = 7
     target_layer_ids: list[int] | None = None
     target_num_hidden_layers: int | None = None
@@ -93,6 +96,7 @@ class Eagle3DraftConfig(PreTrainedConfig):
     def from_target_config(cls, target_config: PreTrainedConfig, **overrides: Any) -> "Eagle3DraftConfig":
         """Derive an Eagle3 drafter config from any causal-LM config; any field can be overridden."""
         fields = target_shape_fields(target_config)
+        fields["qk_norm"] = fields["target_model_type"] in QK_NORM_FAMILIES
         fields.update(overrides)
         if "target_layer_ids" not in overrides:
             fields["target_layer_ids"] = default_eagle3_layer_ids(fields["target_num_hidden_layers"])

@@ -1,0 +1,127 @@
+"""Simulated serving: verification policies under load, from a cost table and a model of the drafter's confidences.
+
+A real run on one machine shows one cost curve. To see what the DSpark scheduler does on other hardware (a GPU,
+where verifying 8 tokens costs about as much as 1 until the batch saturates the chip), `simulate_policy` replays
+rounds of R concurrent requests: each round draws every request's per-slot conditional acceptance probabilities
+c[r, j] from a `ConfidenceModel`, lets the policy pick how many slots each request verifies, draws acceptance
+(slot j survives with probability c[r, j] once its prefix did: the confidences are calibrated by construction),
+and charges the round `draft_seconds(R) + verify_seconds(B)` with B the tokens verified. Plain decoding is the
+policy that verifies no drafts and pays no drafting.
+
+Throughput is tokens per second over all requests (aggregate); per-user speed is that divided by R (every request
+is running all the time). Both come from the same simulated rounds, so policies are compared on equal draws.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .cost_table import VerificationCostTable
+from .scheduler import DSparkScheduler
+
+POLICIES = ("plain", "all", "fixed", "threshold", "scheduler")
+
+
+@dataclass
+class ConfidenceModel:
+    """Per-slot conditional acceptance probabilities c[r, j] ~ Beta with mean `means[j]` and concentration
+    `concentration` (lower: requests differ more, which is what a scheduler can exploit)."""
+
+    means: list[float]
+    concentration: float = 4.0
+
+    def sample(self, requests: int, generator: torch.Generator) -> torch.Tensor:
+        means = torch.tensor(self.means).clamp(1e-3, 1 - 1e-3).expand(requests, -1)
+        alpha, beta = means * self.concentration, (1 - means) * self.concentration
+        # Beta(a, b) = G_a / (G_a + G_b); torch.distributions takes no generator, _standard_gamma does.
+        gamma_a = torch._standard_gamma(alpha.contiguous(), generator=generator)
+        gamma_b = torch._standard_gamma(beta.contiguous(), generator=generator)
+        return gamma_a / (gamma_a + gamma_b)
+
+    @property
+    def gamma(self) -> int:
+        return len(self.means)
+
+
+def gpu_like_costs(step_seconds: float = 0.012, saturation_tokens: int = 256, sharpness: float = 4.0,
+                   max_tokens: int = 4096, draft_fraction: float = 0.15) -> tuple[VerificationCostTable, Callable]:
+    """A GPU-shaped cost curve: a forward over B tokens costs `step_seconds` while the chip is memory bound and
+    grows linearly once B passes `saturation_tokens` (smoothly, with `sharpness`). Drafting R requests costs
+    `draft_fraction` of a target forward over R * gamma tokens' worth of compute on the same curve (the drafter is
+    a few layers against the target's dozens). Returns (verification cost table, draft_seconds(R, gamma))."""
+
+    def forward(tokens: float) -> float:
+        return step_seconds * (1 + (tokens / saturation_tokens) ** sharpness) ** (1 / sharpness)
+
+    table = VerificationCostTable([forward(b) for b in range(1, max_tokens + 1)], description={
+        "kind": "simulated GPU-like", "step_seconds": step_seconds, "saturation_tokens": saturation_tokens,
+        "sharpness": sharpness})
+    return table, lambda requests, gamma: draft_fraction * forward(requests * gamma)
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    requests: int
+    rounds: int
+    tokens: int
+    seconds: float
+    verified_drafts: float
+    """Mean drafts verified per request per round."""
+
+    @property
+    def aggregate_tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def per_user_tokens_per_second(self) -> float:
+        return self.aggregate_tokens_per_second / self.requests
+
+
+def policy_lengths(policy: str, policy_arg, confidences: torch.Tensor) -> torch.LongTensor:
+    """Drafts each request verifies this round under `policy` (as the batched engine decides them)."""
+    requests, gamma = confidences.shape
+    if policy == "plain":
+        return torch.zeros(requests, dtype=torch.long)
+    if policy == "all":
+        return torch.full((requests,), gamma, dtype=torch.long)
+    if policy == "fixed":
+        return torch.full((requests,), min(int(policy_arg), gamma), dtype=torch.long)
+    if policy == "threshold":
+        return (confidences.cumprod(dim=-1) >= policy_arg).long().cumprod(dim=-1).sum(dim=-1)
+    if policy == "scheduler":
+        return policy_arg.select_lengths(confidences)
+    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+
+
+def simulate_policy(policy: str, policy_arg, *, requests: int, rounds: int, confidence_model: ConfidenceModel,
+                    costs: VerificationCostTable, draft_seconds: Callable[[int, int], float],
+                    seed: int = 0) -> PolicyResult:
+    """`rounds` rounds of `requests` always-busy requests under one policy (same seed: same confidence draws)."""
+    generator = torch.Generator().manual_seed(seed)
+    if isinstance(policy_arg, DSparkScheduler):
+        policy_arg.reset()
+    gamma = confidence_model.gamma
+    tokens, seconds, verified = 0, 0.0, 0
+    for _ in range(rounds):
+        confidences = confidence_model.sample(requests, generator)
+        accepted = torch.rand(requests, gamma, generator=generator) < confidences
+        lengths = policy_lengths(policy, policy_arg, confidences)
+        in_prefix = torch.arange(gamma).expand(requests, -1) < lengths[:, None]
+        survived = (accepted & in_prefix).long().cumprod(dim=-1).sum(dim=-1)
+        tokens += int(survived.sum()) + requests  # accepted drafts plus one target token each
+        verified += int(lengths.sum())
+        batch = int(lengths.sum()) + requests
+        seconds += costs.seconds[batch - 1] if batch <= costs.max_tokens else costs.round_seconds(batch)
+        if policy != "plain":
+            seconds += draft_seconds(requests, gamma)
+    return PolicyResult(policy, requests, rounds, tokens, seconds, verified / (rounds * requests))
+
+
+def expected_tau(means: list[float]) -> float:
+    """Tokens per round when every slot is verified: 1 + sum_k prod_{j<=k} E[c_j] (independent slots)."""
+    return 1 + sum(math.prod(means[: k + 1]) for k in range(len(means)))
