@@ -215,3 +215,19 @@ def test_python_api_sampling_run_and_an_edited_prompt_file(saved_models, tmp_pat
     prompts.write_text("Say goodbye.\nName a colour.\n")
     with pytest.raises(SettingsMismatchError, match="chat #0 .*prompt file changed"):
         evaluate([str(prompts)], **run)
+
+
+def test_shipped_humaneval_prompts_carry_their_unit_tests():
+    """pass@1 on humaneval needs each problem's check(candidate); a right and a wrong solution tell them apart."""
+    from hf_dspark.evaluation.prompts import load_prompt_sets
+    from hf_dspark.evaluation.quality import run_tests
+
+    problems = load_prompt_sets(["humaneval"])["humaneval"]
+    assert len(problems) == 164 and all(p.tests and p.entry_point for p in problems)
+    first = problems[0]
+    assert first.entry_point == "has_close_elements"
+    right = ("```python\ndef has_close_elements(numbers, threshold):\n    return any(abs(a - b) < threshold "
+             "for i, a in enumerate(numbers) for j, b in enumerate(numbers) if i != j)\n```")
+    wrong = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
+    assert run_tests(right, first.tests, first.entry_point)
+    assert not run_tests(wrong, first.tests, first.entry_point)
