@@ -1,6 +1,10 @@
 """Write the model cards of the shipped SmolLM2 drafters from their training summaries and a bench JSON.
 
-    python scripts/write_cards.py --bench benchmarks/results-bench-v1.json
+    python scripts/write_cards.py --bench benchmarks/results-bench-v3.json --continued /work/runs/v3
+
+v1: one hour per drafter (three concurrent one-thread runs) from the shared target cache. v3 continues each v1
+drafter (`--init-from`) for `--continued-seconds` more on one core, one drafter after another; pass `--continued`
+to describe that stage too.
 """
 
 import argparse
@@ -35,11 +39,17 @@ LOSS = {
 parser = argparse.ArgumentParser()
 parser.add_argument("--bench", required=True)
 parser.add_argument("--runs", default="/work/runs/v1")
+parser.add_argument("--continued", default=None, help="folder of the continuation runs (v3), if shipped from them")
+parser.add_argument("--continued-seconds", type=int, default=1800)
 args = parser.parse_args()
+CONTINUE = ("--cache /work/cache/smollm2-v1 --batch-size 4 --num-anchors 64 --learning-rate 1e-3 --warmup-ratio 0.0002 "
+            f"--max-steps 100000 --save-steps 25 --max-seconds {args.continued_seconds} --threads 1 --ce-weight 0 "
+            "--kl-weight 1.0")
 bench = json.loads(Path(args.bench).read_text())
 
 for kind, name in KIND_NAMES.items():
     folder = ROOT / "checkpoints" / f"{kind}-smollm2-135m-instruct"
+    first = json.loads((Path(args.runs) / kind / "training_summary.json").read_text())
     summary = json.loads((folder / "training_summary.json").read_text())
     rows = ["| setting | tokens/s | speed-up vs plain | tau | per-slot acceptance | identical to plain greedy |",
             "|---|---|---|---|---|---|"]
@@ -66,21 +76,31 @@ for kind, name in KIND_NAMES.items():
         "first 1,200 decontaminated ShareGPT conversations' own answers (off-policy contexts, labelled by the "
         "target's distribution), all from the shared bf16 target cache above (run once for all three drafters).\n"
         f"* Loss: {LOSS[kind]}.\n"
-        f"* Budget: {summary['budget_seconds']:.0f} s of training steps ({summary['steps']} steps of 4 sequences x 64 "
+        f"* Budget: {first['budget_seconds']:.0f} s of training steps ({first['steps']} steps of 4 sequences x 64 "
         "anchors), the same for the three drafters, which trained at the same time on 2 AMD EPYC cores "
-        "(one thread each, float32).\n"
+        "(one thread each, float32)"
+        + (f"; then {summary['budget_seconds']:.0f} s more ({summary['steps']} steps, learning rate "
+           "again 1e-3 with a cosine over the new budget), each drafter alone on one core (`taskset -c 1`, one "
+           "thread), one after another, the same budget for all three.\n" if args.continued else ".\n")
         "* Training log: `training_log.jsonl` (loss, per-slot acceptance proxy 1 - TV, top-1 agreement"
         f"{', confidence MAE' if kind == 'dspark' else ''}).")
     config = AutoConfig.from_pretrained(folder)
+    commands = [CACHE_COMMAND, f"hf-dspark train --output {args.runs}/{kind} {SPECIFIC[kind]} {COMMON}"]
+    shipped_from = f"{args.runs}/{kind}"
+    version = "v1: one CPU hour"
+    if args.continued:
+        shipped_from = f"{args.continued}/{kind}"
+        commands.append(f"taskset -c 1 hf-dspark train --kind {kind} --init-from {args.runs}/{kind} "
+                        f"--output {shipped_from} {CONTINUE}")
+        version = f"v3: one CPU hour + {args.continued_seconds / 3600:g} core-hour"
+    commands.append(f"python scripts/ship_drafter.py {shipped_from} checkpoints/{kind}-smollm2-135m-instruct")
     card = render_model_card(
         kind=kind, base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
-        title=f"{name} drafter for SmolLM2-135M-Instruct (v1: one CPU hour)",
-        summary=(f"A {name} drafter for the embedded default target of hf_dspark, trained for one hour on 2 CPU "
-                 "cores under the same data and budget as its DSpark/DFlash/Eagle3 siblings. It is far from "
-                 "converged (see Measured)."),
-        config=config, commands=[CACHE_COMMAND, f"hf-dspark train --output {args.runs}/{kind} {SPECIFIC[kind]} "
-                                 f"{COMMON}", f"python scripts/ship_drafter.py {args.runs}/{kind} "
-                                 f"checkpoints/{kind}-smollm2-135m-instruct"],
+        title=f"{name} drafter for SmolLM2-135M-Instruct ({version})",
+        summary=(f"A {name} drafter for the embedded default target of hf_dspark, trained on 2 CPU cores under the "
+                 "same data and budget as its DSpark/DFlash/Eagle3 siblings. It is far from converged (see "
+                 "Measured)."),
+        config=config, commands=commands,
         training=training, measured=measured, datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"])
     (folder / "README.md").write_text(card)
     print(f"wrote {folder / 'README.md'}")
