@@ -6,7 +6,9 @@ Real part: the embedded SmolLM2-135M-Instruct target and the shipped DSpark draf
 concurrent requests (held-out math, code and chat prompts, greedy, float32 so every request can be checked against
 its own plain greedy output). Per R, side by side: plain batched `generate`, and the batched speculative engine
 verifying every draft ("all"), one draft ("fixed-1", like MTP-1), drafts whose cumulative confidence stays above a
-threshold, and the DSpark scheduler on a cost table profiled here (SPS(B) for B = 1..16*8 tokens).
+threshold, and the DSpark scheduler on a cost table profiled here (SPS(B) for B = 1..16*8 tokens), deciding from
+the current round's confidences ("scheduler") or, as in production, taking the budget from those of two rounds
+earlier ("scheduler-2ago", which skips drafting in rounds whose budget is already known to be 0).
 Reported: aggregate tokens/s, mean per-request tokens/s (a request's tokens over the time it finished), the mean
 drafts verified per request per round, tau, and the identity check.
 
@@ -68,7 +70,8 @@ def real_runs() -> dict:
         plain_alone[index] = target.generate(prompts[index][None], max_new_tokens=args.max_new_tokens,
                                              do_sample=False)[0, len(prompts[index]):].tolist()
     policies = {"all": ("all", None), "fixed-1": ("fixed", 1), f"threshold-{args.threshold}": ("threshold", args.threshold),
-                "scheduler": ("scheduler", DSparkScheduler(costs))}
+                "scheduler": ("scheduler", DSparkScheduler(costs)),
+                "scheduler-2ago": ("scheduler", DSparkScheduler(costs, mode="two_steps_ago"))}
     rows = []
     for requests in args.requests:
         batch = prompts[:requests]
@@ -133,12 +136,14 @@ def simulation() -> dict:
     model = ConfidenceModel([0.90, 0.87, 0.84, 0.81, 0.78, 0.75, 0.72], concentration=4.0)
     table, draft_seconds = gpu_like_costs()
     policies = {"plain": ("plain", None), "all": ("all", None), "fixed-1": ("fixed", 1),
-                "threshold-0.5": ("threshold", 0.5), "scheduler": ("scheduler", None)}
+                "threshold-0.5": ("threshold", 0.5), "scheduler": ("scheduler", "current"),
+                "scheduler-2ago": ("scheduler", "two_steps_ago")}
     rows = []
     for requests in [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256]:
         for name, (policy, policy_arg) in policies.items():
             if policy == "scheduler":  # the scheduler sees this load's drafting cost in its SPS(B)
-                policy_arg = DSparkScheduler(VerificationCostTable(table.seconds, draft_seconds(requests, model.gamma)))
+                policy_arg = DSparkScheduler(VerificationCostTable(table.seconds, draft_seconds(requests, model.gamma)),
+                                             mode=policy_arg)
             result = simulate_policy(policy, policy_arg, requests=requests, rounds=args.sim_rounds,
                                      confidence_model=model, costs=table, draft_seconds=draft_seconds)
             rows.append({"policy": name, "requests": requests,

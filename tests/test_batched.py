@@ -304,3 +304,26 @@ def test_engine_takes_the_drafter_policy_and_resets_the_scheduler():
     for index, expected in enumerate(plain_greedy(target, prompt_list)):
         assert torch.equal(outputs[index], expected)
     assert len(engine.verified_tokens_per_round) > 2  # the stored-confidence rounds ran
+
+
+def test_two_steps_ago_skips_drafting_while_the_known_budget_is_zero():
+    """Verification so costly that no draft pays: once two rounds of confidences say so, rounds are plain steps
+    without a drafting pass (every `probe_every`-th still drafts), and each row is still its own plain greedy."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    costly = DSparkScheduler(VerificationCostTable([1.0 + 10.0 * i for i in range(40)]), mode="two_steps_ago",
+                             probe_every=4)
+    drafting_passes = []
+    drafter.register_forward_hook(
+        lambda module, args, kwargs, out: drafting_passes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    prompt_list = prompts(3)
+    ids, mask = left_pad(prompt_list)
+    out = batched_speculative_generate(target, drafter, ids, mask, max_new_tokens=MAX_NEW, policy="scheduler",
+                                       policy_arg=costly)
+    assert_rows_equal(out, plain_greedy(target, prompt_list))
+    rounds = len(out.verified_tokens_per_round)
+    blocks = drafting_passes.count(drafter.config.block_size)
+    assert rounds > 6
+    assert 2 <= blocks < rounds  # the first two rounds draft (no history yet), then mostly not
+    assert blocks >= 2 + (rounds - 2) // 4  # probing rounds keep the confidences current
+    assert all(total == 3 for total in out.verified_tokens_per_round[2:])  # no draft verified: one token per row

@@ -37,13 +37,26 @@ WITHOUT_HF_DSPARK = textwrap.dedent("""
     spec = target.generate(ids, assistant_model=drafter, custom_generate=drafter_dir, trust_remote_code=True,
                            max_new_tokens=new_tokens, do_sample=sample, top_k=0)
     stats = drafter.last_generation_stats
+
+    class Recorder:  # a streamer: generate() puts the prompt, the decoding loop the new tokens, then end()
+        def __init__(self):
+            self.tokens, self.ended = [], False
+        def put(self, value):
+            self.tokens += value.flatten().tolist()
+        def end(self):
+            self.ended = True
+
+    recorder = Recorder()
+    target.generate(ids, assistant_model=drafter, custom_generate=drafter_dir, trust_remote_code=True,
+                    max_new_tokens=new_tokens, do_sample=False, streamer=recorder)
     print(json.dumps({"module": type(drafter).__module__, "plain": plain[0].tolist(), "spec": spec[0].tolist(),
-                      "rounds": len(stats.draft_lengths), "accepted": sum(stats.accepted)}))
+                      "rounds": len(stats.draft_lengths), "accepted": sum(stats.accepted),
+                      "streamed": recorder.tokens, "stream_ended": recorder.ended}))
 """)
 
 
-def run_without_hf_dspark(tmp_path, drafter_dir, target_dir, ids, new_tokens, sample=False):
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
+def run_without_hf_dspark(tmp_path, drafter_dir, target_dir, ids, new_tokens, sample=False, env=None):
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1", **(env or {}))
     result = subprocess.run([sys.executable, "-c", WITHOUT_HF_DSPARK, str(drafter_dir), str(target_dir),
                              json.dumps(ids), str(new_tokens), "1" if sample else "0"],
                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
@@ -87,6 +100,24 @@ def test_stock_transformers_loads_and_generates_without_hf_dspark(saved, tmp_pat
     assert result["module"].startswith("transformers_modules.")  # our code, loaded as remote code
     assert result["spec"] == result["plain"]
     assert result["rounds"] > 0  # the speculative loop ran (it is not plain decoding under another name)
+    assert result["streamed"] == result["plain"] and result["stream_ended"]
+
+
+def test_a_hub_repo_id_loads_and_generates_without_hf_dspark(saved, tmp_path):
+    """The repo-id branch of transformers' remote-code loading (per-file downloads into the Hub cache, relative
+    imports resolved file by file), offline: the saved folder is laid out as a cached snapshot of `org/dspark-tiny`."""
+    import shutil
+
+    folder, _ = saved
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--dspark-tiny"
+    shutil.copytree(folder / "markov", repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    result = run_without_hf_dspark(tmp_path, "org/dspark-tiny", folder / "target", [5, 9, 17, 3, 44, 61], 16,
+                                   env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert result["module"].startswith("transformers_modules.")
+    assert result["spec"] == result["plain"] and result["rounds"] > 0
 
 
 def test_custom_generate_samples_exactly_like_hf_dspark(saved, tmp_path):

@@ -62,3 +62,18 @@ def test_scheduler_adapts_to_load_on_a_gpu_like_curve():
     assert results["sched", 128].verified_drafts < results["sched", 4].verified_drafts - 2
     best_fixed = max(results["all", 128].aggregate_tokens_per_second, results["one", 128].aggregate_tokens_per_second)
     assert results["sched", 128].aggregate_tokens_per_second > 1.1 * best_fixed
+
+
+def test_two_steps_ago_scheduler_stops_paying_for_drafts_that_never_pay():
+    """Past saturation drafting costs more than it returns: the production variant then mostly skips it and
+    approaches plain decoding, while the current-round scheduler keeps paying for a drafting pass every round."""
+    table, draft = gpu_like_costs()
+    results = {}
+    for mode in ("current", "two_steps_ago"):
+        scheduler = DSparkScheduler(VerificationCostTable(table.seconds, draft(512, 7)), mode=mode)
+        results[mode] = simulate_policy("scheduler", scheduler, requests=512, rounds=40, confidence_model=MODEL,
+                                        costs=table, draft_seconds=draft)
+    plain = simulate_policy("plain", None, requests=512, rounds=40, confidence_model=MODEL, costs=table,
+                            draft_seconds=draft)
+    assert results["two_steps_ago"].aggregate_tokens_per_second > results["current"].aggregate_tokens_per_second
+    assert results["two_steps_ago"].aggregate_tokens_per_second > 0.85 * plain.aggregate_tokens_per_second

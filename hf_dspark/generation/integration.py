@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transformers.generation.utils import GenerationMixin
 
-from ..models.common import DraftPreTrainedModel
+from ..models.common import DraftPreTrainedModel, drafter_type
 from .decoding import speculative_decoding
 
 _ORIGINALS: dict[str, object] = {}
@@ -17,10 +17,10 @@ _ORIGINALS: dict[str, object] = {}
 
 def as_drafter(assistant) -> DraftPreTrainedModel | None:
     """Our drafter behind `assistant` (itself, or the base model of a PEFT/LoRA wrapper), else None."""
-    if isinstance(assistant, DraftPreTrainedModel):
+    if drafter_type(assistant) is not None:  # also our classes loaded as remote code
         return assistant
     base = assistant.get_base_model() if hasattr(assistant, "get_base_model") else None
-    return base if isinstance(base, DraftPreTrainedModel) else None
+    return base if drafter_type(base) is not None else None
 
 
 def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):

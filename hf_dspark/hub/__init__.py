@@ -1,1 +1,1 @@
-"""Sharing drafters: model cards (and, later, Hub upload and format conversion)."""
+"""Sharing drafters: model cards, Hub upload, folders stock transformers can run, DeepSpec conversion."""

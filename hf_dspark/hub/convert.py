@@ -2,8 +2,9 @@
 
 DeepSpec (`deepseek-ai/dspark_qwen3_8b_block7`, `dflash_qwen3_8b_block7`) saves `Qwen3DSparkModel`, and
 `eagle3_qwen3_8b_ttt7` saves `Qwen3Eagle3Model`: a copy of the target's Qwen3 config plus drafter fields, and flat
-weight names. vLLM (`"method": "dspark"`) and SGLang load that
-layout, so exporting to it is how a drafter trained here is served at scale. The backbone keys are the same on both
+weight names. vLLM (`"method": "dspark"`) and SGLang load the `Qwen3DSparkModel` layout with the vanilla Markov
+head (or none: DFlash), so exporting to it is how a drafter trained here is served at scale; gated/rnn heads and
+Eagle3 exports are DeepSpec's layout, which those engines do not serve as such. The backbone keys are the same on both
 sides; the heads are renamed:
 
     DeepSpec                          hf_dspark
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
+from transformers.utils import logging
 
 from ..models.common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, DrafterTargetMismatchError, drafter_type
 from ..models.configuration_dspark import DSparkDraftConfig
@@ -56,6 +58,9 @@ EAGLE3_ARCHITECTURE = "Qwen3Eagle3Model"
 MARKOV_TYPES = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}  # DeepSpec markov_head_type -> our markov_head
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 IGNORED = ("rotary_emb.inv_freq", "t2d")
+
+
+logger = logging.get_logger(__name__)
 
 
 class SlotConventionError(ValueError):
@@ -120,7 +125,7 @@ def config_from_deepspec(config: dict, source: str = "checkpoint") -> DSparkDraf
                              "[embedding ; hidden] while hf_dspark's layers after the first are plain; only 1 layer "
                              "converts exactly")
         return Eagle3DraftConfig.from_target_config(
-            _target_like(config), num_hidden_layers=1, target_num_hidden_layers=config.get("num_target_layers"),
+            _target_like(config), num_hidden_layers=1, **_target_depth(config),
             block_size=config.get("ttt_length", 7), target_layer_ids=list(config["target_layer_ids"]),
             qk_norm=True, attention_bias=bool(config.get("attention_bias", False)),
             draft_vocab_size=_draft_vocab_size(config))
@@ -141,7 +146,7 @@ def config_from_deepspec(config: dict, source: str = "checkpoint") -> DSparkDraf
     return DSparkDraftConfig.from_target_config(
         _target_like(config),
         num_hidden_layers=config["num_hidden_layers"],
-        target_num_hidden_layers=config.get("num_target_layers"),
+        **_target_depth(config),
         block_size=config["block_size"],
         target_layer_ids=list(config["target_layer_ids"]),
         mask_token_id=config["mask_token_id"],
@@ -152,6 +157,11 @@ def config_from_deepspec(config: dict, source: str = "checkpoint") -> DSparkDraf
         attention_bias=bool(config.get("attention_bias", False)),
         draft_vocab_size=_draft_vocab_size(config),
     )
+
+
+def _target_depth(config: dict) -> dict:
+    # DeepSpec overwrote num_hidden_layers with the drafter's depth; the target's is num_target_layers, if written.
+    return {"target_num_hidden_layers": config["num_target_layers"]} if "num_target_layers" in config else {}
 
 
 def _draft_vocab_size(config: dict) -> int | None:
@@ -175,7 +185,11 @@ def import_deepspec(folder: str | Path, target=None) -> DSparkDraftModel | Eagle
     if draft_vocab:
         if "d2t" not in weights:
             raise ValueError(f"{folder}: draft_vocab_size={draft_vocab} needs the d2t offsets tensor")
-        state["draft_to_target"] = torch.arange(draft_vocab) + weights.pop("d2t").long()
+        offsets = weights.pop("d2t").long()
+        if offsets.shape != (draft_vocab,):
+            raise ValueError(f"{folder}: d2t has shape {tuple(offsets.shape)}, expected ({draft_vocab},) for "
+                             f"draft_vocab_size={draft_vocab}")
+        state["draft_to_target"] = torch.arange(draft_vocab) + offsets
     for name, tensor in weights.items():
         if name in IGNORED or name in SHARED_WITH_TARGET:
             continue
@@ -190,6 +204,9 @@ def import_deepspec(folder: str | Path, target=None) -> DSparkDraftModel | Eagle
         raise ValueError(f"{folder} does not fit DeepSpec's {config_dict['architectures'][0]} layout: missing "
                          f"{missing[:8]}, unexpected {unexpected[:8]}")
     drafter.load_state_dict(state, strict=True)
+    stored = {t.dtype for n, t in state.items() if t.is_floating_point()}
+    if len(stored) == 1:  # keep the checkpoint's precision (DeepSpec saves bf16)
+        drafter.to(stored.pop())
     if target is not None:
         drafter.check_compatible(target.config)
         _check_shared_weights(weights, target, drafter, folder)
@@ -212,13 +229,21 @@ def _check_shared_weights(weights, target, drafter, source) -> None:
     embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     rows = drafter.draft_to_target if drafter.draft_to_target is not None else slice(None)
     for name, reference in (("embed_tokens.weight", embedding), ("lm_head.weight", head[rows])):
-        if name in weights and not torch.equal(weights[name].to(reference.dtype), reference.detach().cpu()):
-            close = weights[name].shape == reference.shape and torch.allclose(
-                weights[name].float(), reference.detach().float().cpu(), atol=1e-2, rtol=1e-2)
-            if not close:
-                raise DrafterTargetMismatchError(
-                    f"{source}'s {name} is not the target's ({tuple(weights[name].shape)} vs "
-                    f"{tuple(reference.shape)}): it was trained for another model. Pass the target it names.")
+        if name not in weights:
+            continue
+        stored, reference = weights[name], reference.detach().cpu()
+        if stored.shape != reference.shape:
+            same = False
+        elif stored.dtype == reference.dtype or reference.dtype == torch.float32:
+            same = torch.equal(stored, reference.to(stored.dtype))  # the stored copy is a cast of the target's
+        else:  # bf16 <-> fp16: compare through fp32, within the coarser format's rounding
+            difference = (stored.float() - reference.float()).norm() / reference.float().norm()
+            same = float(difference) < 1e-2
+        if not same:
+            raise DrafterTargetMismatchError(
+                f"{source}'s {name} is not the target's ({tuple(stored.shape)} {stored.dtype} vs "
+                f"{tuple(reference.shape)} {reference.dtype}): it was trained for another model. Pass the target "
+                "it names.")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -245,6 +270,9 @@ def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | 
         raise ValueError("DeepSpec's Eagle3 feeds every layer [embedding ; hidden]; only 1-layer drafters export")
     if getattr(config, "confidence_temperatures", None) is not None:
         raise ValueError("DeepSpec's layout has no per-slot confidence temperatures; they would be lost")
+    if kind == EAGLE3_DRAFTER_TYPE or config.markov_head not in (None, "markov"):
+        logger.warning("%s: DeepSpec's layout holds it exactly, but vLLM/SGLang serve only the vanilla Markov head "
+                       "and DFlash from it", type(drafter).__name__)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     ours_to_theirs = {v: k for k, v in HEAD_NAMES.items()}
@@ -301,6 +329,12 @@ def deepspec_config(drafter: DSparkDraftModel | Eagle3DraftModel, target=None) -
     }
     if config.draft_vocab_size:
         common["draft_vocab_size"] = config.draft_vocab_size
+    # transformers 5 writes rope_parameters only; DeepSpec's code and engines on transformers 4 read these.
+    rope = dict(config.rope_parameters)
+    common["rope_theta"] = rope.get("rope_theta", 10000.0)
+    common["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else {**rope, "type": rope["rope_type"]}
+    common["attention_bias"] = config.attention_bias
+    common["torch_dtype"] = str(next(drafter.parameters()).dtype).replace("torch.", "")
     if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
         return {**base, **common, "architectures": [EAGLE3_ARCHITECTURE], "ttt_length": config.block_size,
                 "draft_num_hidden_layers": config.num_hidden_layers,

@@ -64,16 +64,21 @@ def eval_results_table(results: dict | str | Path, method: str) -> str:
 
 
 def describe_serving(config) -> str:
-    """How the drafter reaches vLLM / SGLang: DeepSpec's layout when its layers can be written there exactly."""
-    if getattr(config, "qk_norm", False) and getattr(config, "markov_head", None) != "rnn":
+    """How the drafter reaches vLLM / SGLang: DeepSpec's layout, when its layers can be written there exactly and
+    those engines implement its heads (the vanilla Markov head, or none)."""
+    if not getattr(config, "qk_norm", False):
+        return ("Serving at scale: DeepSpec's layout, which vLLM and SGLang load, has Qwen3 layers with per-head q/k "
+                "norms; this drafter (for a " + str(config.target_model_type) + " target) has none, so "
+                "`hf-dspark convert` refuses to export it rather than change its outputs. Serve it with transformers "
+                "(batched: `hf_dspark.generation.SpeculativeEngine`).")
+    if config.model_type == "dspark" and getattr(config, "markov_head", None) in (None, "markov"):
         return ("Serving at scale: `hf-dspark convert <this folder> <out> --target <target>` writes DeepSpec's layout, "
                 "which vLLM loads with `--speculative-config '{\"method\": \"dspark\", \"model\": \"<out>\", "
-                f"\"num_speculative_tokens\": {config.block_size}, \"enable_adaptive_verification\": true}}'` "
-                "(Eagle3: `\"method\": \"eagle3\"`), and SGLang likewise.")
-    return ("Serving at scale: DeepSpec's layout, which vLLM and SGLang load, has Qwen3 layers with per-head q/k "
-            "norms; this drafter (for a " + str(config.target_model_type) + " target) has none, so "
-            "`hf-dspark convert` refuses to export it rather than change its outputs. Serve it with transformers "
-            "(batched: `hf_dspark.generation.SpeculativeEngine`).")
+                f"\"num_speculative_tokens\": {config.block_size}, \"enable_adaptive_verification\": true}}'`, "
+                "and SGLang with its DSpark algorithm.")
+    return ("Serving at scale: `hf-dspark convert <this folder> <out> --target <target>` writes DeepSpec's layout "
+            "exactly, but vLLM and SGLang implement only DSpark's vanilla Markov head and DFlash from it, so this "
+            "drafter is served with transformers (batched: `hf_dspark.generation.SpeculativeEngine`).")
 
 
 def render_model_card(*, kind: str, base_model: str, title: str, summary: str, config, commands: list[str],

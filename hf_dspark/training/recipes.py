@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import ConcatDataset
-from transformers import TrainingArguments
+from transformers import AutoConfig, TrainingArguments
 
 from ..models import DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig, Eagle3DraftModel
 from .data import Decontaminator, answer_examples, sharegpt_path
@@ -49,9 +49,10 @@ def build_drafter(kind: str, target, *, num_layers: int, block_size: int, markov
 
 def continue_drafter(kind: str, path: str, target):
     model_class = Eagle3DraftModel if kind == "eagle3" else DSparkDraftModel
+    found = AutoConfig.from_pretrained(path).model_type
+    if found != model_class.config_class.model_type:
+        raise ValueError(f"--init-from {path} holds a {found!r} drafter, not a {kind} drafter")
     drafter = model_class.from_pretrained(path)
-    if not isinstance(drafter, model_class):
-        raise ValueError(f"--init-from {path} holds a {type(drafter).__name__}, not a {kind} drafter")
     has_sequential = getattr(drafter.config, "markov_head", None) is not None
     if kind != "eagle3" and (kind == "dflash") == has_sequential:
         raise ValueError(f"--init-from {path} is not a {kind} drafter (sequential head: {drafter.config.markov_head})")
