@@ -80,9 +80,10 @@ for kind, name in KIND_NAMES.items():
         "anchors), the same for the three drafters, which trained at the same time on 2 AMD EPYC cores "
         "(one thread each, float32)"
         + (f"; then {summary['budget_seconds']:.0f} s more ({summary['steps']} steps, learning rate "
-           "again 1e-3 with a cosine over the new budget), each drafter alone on one core (`taskset -c 1`, one "
-           "thread), one after another, the same budget for all three.\n" if args.continued else ".\n")
-        "* Training log: `training_log.jsonl` (loss, per-slot acceptance proxy 1 - TV, top-1 agreement"
+           "again 1e-3 with a cosine over the new budget), each drafter on a core of its own (one thread; DSpark "
+           "then DFlash on core 1, Eagle3 on core 0 alongside DFlash, while the other core ran tests, benchmarks or "
+           "the other drafter), the same budget for all three.\n" if args.continued else ".\n")
+        + "* Training log: `training_log.jsonl` (loss, per-slot acceptance proxy 1 - TV, top-1 agreement"
         f"{', confidence MAE' if kind == 'dspark' else ''}).")
     config = AutoConfig.from_pretrained(folder)
     commands = [CACHE_COMMAND, f"hf-dspark train --output {args.runs}/{kind} {SPECIFIC[kind]} {COMMON}"]
@@ -90,7 +91,8 @@ for kind, name in KIND_NAMES.items():
     version = "v1: one CPU hour"
     if args.continued:
         shipped_from = f"{args.continued}/{kind}"
-        commands.append(f"taskset -c 1 hf-dspark train --kind {kind} --init-from {args.runs}/{kind} "
+        core = 0 if kind == "eagle3" else 1
+        commands.append(f"taskset -c {core} hf-dspark train --kind {kind} --init-from {args.runs}/{kind} "
                         f"--output {shipped_from} {CONTINUE}")
         version = f"v3: one CPU hour + {args.continued_seconds / 3600:g} core-hour"
     commands.append(f"python scripts/ship_drafter.py {shipped_from} checkpoints/{kind}-smollm2-135m-instruct")

@@ -362,18 +362,25 @@ class DraftPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save config and safetensors weights, plus what stock `transformers` needs to use the folder without
         hf_dspark: the modeling code with `auto_map` (our classes are registered for the Auto classes on
-        `import hf_dspark`) and a `custom_generate/` folder running hf_dspark's decoding loop."""
+        `import hf_dspark`) and a `custom_generate/` folder running hf_dspark's decoding loop. With
+        `push_to_hub=True` the folder is uploaded once complete (`push_to_hub(repo_id)`)."""
+        upload = kwargs.pop("push_to_hub", False)
+        repo_id = kwargs.pop("repo_id", None) or str(save_directory).rstrip("/").split("/")[-1]
         super().save_pretrained(save_directory, *args, **kwargs)
         try:
             remote_code = importlib.import_module("hf_dspark.hub.remote_code")
         except ImportError:  # this class was itself loaded as remote code, without hf_dspark
             logger.warning("hf_dspark is not installed: %s gets no custom_generate/ folder", save_directory)
-            return
-        remote_code.write_custom_generate(save_directory)
+        else:
+            if kwargs.get("is_main_process", True):
+                remote_code.write_custom_generate(save_directory)
+        if upload:
+            self.push_to_hub(repo_id, token=kwargs.get("token"))
 
     def push_to_hub(self, repo_id: str, *, card: str | None = None, base_model: str | None = None,
                     eval_results=None, private: bool | None = None, token: str | None = None,
-                    commit_message: str | None = None, revision: str | None = None, create_pr: bool = False):
+                    commit_message: str | None = None, revision: str | None = None, create_pr: bool = False,
+                    **kwargs):
         """Upload the drafter with its model card to the Hub, or to the server `HF_ENDPOINT` points at.
 
         Args:
@@ -382,7 +389,13 @@ class DraftPreTrainedModel(PreTrainedModel):
                 from `model_cards/drafter_card.md` (then `base_model`, the target's Hub id, is required).
             eval_results: an `hf-dspark eval` results.json (path or dict) whose numbers fill the card's results.
         """
-        push = importlib.import_module("hf_dspark.hub.push")
+        try:
+            push = importlib.import_module("hf_dspark.hub.push")
+        except ImportError:  # loaded as remote code without hf_dspark: the stock upload (no card rendering)
+            return super().push_to_hub(repo_id, private=private, token=token, commit_message=commit_message,
+                                       revision=revision, create_pr=create_pr, **kwargs)
+        if kwargs:
+            raise TypeError(f"push_to_hub() got options hf_dspark's upload does not take: {sorted(kwargs)}")
         return push.push_drafter(self, repo_id, card=card, base_model=base_model, eval_results=eval_results,
                                  private=private, token=token, commit_message=commit_message, revision=revision,
                                  create_pr=create_pr)

@@ -475,6 +475,11 @@ def _draft(drafter: DSparkDraftModel, rows: _Rows, budget: torch.LongTensor, pol
     return _Drafts(tokens, probs, lengths, confidences)
 
 
+def _no_drafts(num_rows: int, device) -> _Drafts:
+    return _Drafts(torch.zeros(num_rows, 0, dtype=torch.long, device=device), None,
+                   torch.zeros(num_rows, dtype=torch.long, device=device), torch.zeros(num_rows, 0, device=device))
+
+
 def _project_context(drafter: DSparkDraftModel, rows: _Rows) -> None:
     """Move the queued context into the drafter's cache now, with a one-slot pass whose output is discarded.
 
@@ -517,9 +522,7 @@ def _prefill(target, input_ids, prompt_mask, request_ids, limits, layer_indices,
         pending_positions=positions[:, :0],
     )
     target_logits, features = _target_forward(target, rows, input_ids, prompt_mask, positions, layer_indices, keep=1)
-    no_drafts = _Drafts(input_ids.new_zeros(num_requests, 0), None, input_ids.new_zeros(num_requests),
-                        torch.zeros(num_requests, 0, device=device))
-    _, first_token = sampling.verify(target_logits, no_drafts, generator)
+    _, first_token = sampling.verify(target_logits, _no_drafts(num_requests, device), generator)
     rows.target_valid, rows.target_length = prompt_mask, prompt_mask.long().sum(dim=1)
     rows.stage_context(features, prompt_mask, positions)
     return rows, first_token
@@ -731,7 +734,11 @@ class SpeculativeEngine:
         sampling = self._row_sampling(request_ids)
         # Every round emits at least one token, so a row drafts at most (tokens left - 1).
         budget = (rows.limit - rows.emitted - 1).clamp(min=0, max=self.gamma)
-        drafts = _draft(self.drafter, rows, budget, self.policy, self.policy_arg, sampling, self.generator)
+        if self.policy == "scheduler" and not self.policy_arg.needs_drafts():
+            _project_context(self.drafter, rows)  # keep the drafter's context current; nothing is drafted
+            drafts = _no_drafts(len(rows), rows.anchor.device)
+        else:
+            drafts = _draft(self.drafter, rows, budget, self.policy, self.policy_arg, sampling, self.generator)
         new_tokens, num_accepted = _verify_round(self.target, rows, drafts, self.drafter.target_hidden_state_indices,
                                                  sampling, self.generator)
 

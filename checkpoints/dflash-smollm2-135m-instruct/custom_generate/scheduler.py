@@ -41,19 +41,52 @@ class DSparkScheduler:
             the top K positions of this round; the first two calls of a generation, which have no such history,
             fall back to the ``"current"`` rule. Call `reset()` when a new generation starts (the batched engine
             does); the scheduler then remembers the confidences of each call.
+        probe_every: ``"two_steps_ago"`` only. When the stored confidences say that no budget beats a plain
+            step without any drafting (the table's `draft_seconds` saved), the engine skips drafting for that round
+            (`needs_drafts()`), which is where the mode pays off when drafts do not (heavy load, slow
+            verification). Every `probe_every`-th such round drafts anyway, so that the stored confidences stay
+            current.
     """
 
-    def __init__(self, cost_table: VerificationCostTable, early_stop: bool = True, mode: str = "current"):
+    def __init__(self, cost_table: VerificationCostTable, early_stop: bool = True, mode: str = "current",
+                 probe_every: int = 8):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be at least 1, got {probe_every}.")
         self.cost_table = cost_table
         self.early_stop = early_stop
         self.mode = mode
+        self.probe_every = probe_every
         self._history: deque[torch.Tensor] = deque(maxlen=2)  # survivals of the last two calls, oldest first
+        self._skipped = 0
 
     def reset(self) -> None:
         """Forget the confidences of earlier rounds: the next two calls fall back to the ``"current"`` rule."""
         self._history.clear()
+        self._skipped = 0
+
+    def needs_drafts(self) -> bool:
+        """Whether the coming round needs drafts at all. False only in ``"two_steps_ago"`` mode when, by the
+        stored confidences, the best budget's expected throughput (drafting paid) does not beat a plain step that
+        skips drafting, and this is not a probing round. The answer depends on earlier rounds only, so skipping
+        the drafter keeps decoding lossless: the round is a plain step."""
+        if self.mode != "two_steps_ago" or len(self._history) < 2:
+            return True
+        survival = self._history[0]
+        rows = survival.shape[0]
+        count = self._admissions(survival, early_stop=False)
+        expected = rows + float(survival.flatten().clamp_min(0).sort(descending=True).values[:count].sum())
+        with_drafts = expected * self.cost_table.steps_per_second(rows + count)
+        plain = rows / (self.cost_table.round_seconds(rows) - self.cost_table.draft_seconds)
+        if with_drafts > plain:
+            self._skipped = 0
+            return True
+        self._skipped += 1
+        if self._skipped >= self.probe_every:
+            self._skipped = 0
+            return True
+        return False
 
     def select_lengths(self, confidences: torch.Tensor, max_lengths: torch.Tensor | None = None) -> torch.LongTensor:
         """confidences (R, gamma) conditional acceptance probabilities; max_lengths (R,) drafts available."""

@@ -30,6 +30,6 @@ def generate(model, *args, assistant_model=None, **kwargs):
             "(config.model_type must be one of ['dspark', 'eagle3_draft'])."
         )
     # generate() hands a callable custom_generate everything it prepared (processors, stopping criteria, cache);
-    # the drafter travels bound to it because generate() drops assistant_model for callables.
-    return model.generate(*args, assistant_model=assistant_model,
-                          custom_generate=functools.partial(_decode, drafter=assistant_model), **kwargs)
+    # the drafter and the streamer travel bound to it because generate() drops both for callables.
+    decode = functools.partial(_decode, drafter=assistant_model, streamer=kwargs.get("streamer"))
+    return model.generate(*args, assistant_model=assistant_model, custom_generate=decode, **kwargs)
