@@ -231,3 +231,15 @@ def test_shipped_humaneval_prompts_carry_their_unit_tests():
     wrong = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
     assert run_tests(right, first.tests, first.entry_point)
     assert not run_tests(wrong, first.tests, first.entry_point)
+
+
+def test_prompt_files_keep_unicode_line_separators_inside_strings(tmp_path):
+    """arena-hard-v2 has U+2028 inside prompts; a JSONL line ends only at a newline."""
+    from hf_dspark.evaluation.prompts import load_prompt_sets, read_prompt_file
+
+    path = tmp_path / "odd.jsonl"
+    path.write_text('{"turns": ["one\\u2028two\\u0085three"]}\n{"turns": ["four"]}\n'.encode().decode("unicode_escape"),
+                    encoding="utf-8")
+    prompts = read_prompt_file(path)
+    assert [p.turns[0] for p in prompts] == ["one\u2028two\u0085three", "four"]
+    assert len(load_prompt_sets(["arena-hard-v2"])["arena-hard-v2"]) == 750

@@ -60,7 +60,8 @@ def read_prompt_file(path: str | Path, benchmark: str | None = None) -> list[Eva
     benchmark = benchmark or path.stem
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        # Split on newlines only: str.splitlines() also breaks at U+2028 / U+0085 inside JSON strings.
+        items = [json.loads(line) for line in text.split("\n") if line.strip()]
     elif path.suffix == ".json":
         items = json.loads(text)
         if not isinstance(items, list):
