@@ -216,3 +216,10 @@ def test_convert_cli_both_directions(qwen3, tmp_path):
     again = import_deepspec(tmp_path / "again", target=qwen3)
     for name, tensor in ours.state_dict().items():
         assert torch.equal(tensor, again.state_dict()[name])
+
+
+def test_convert_cli_explains_a_refusal(tmp_path, capsys):
+    llama = tiny_target("llama")
+    tiny_drafter(llama, "markov").save_pretrained(tmp_path / "llama-drafter")
+    assert main(["convert", str(tmp_path / "llama-drafter"), str(tmp_path / "out")]) == 2
+    assert "q/k RMSNorm" in capsys.readouterr().err and not (tmp_path / "out").exists()

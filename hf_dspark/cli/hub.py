@@ -29,15 +29,19 @@ def cmd_convert(args) -> int:
 
     from hf_dspark.hub.convert import export_deepspec, import_deepspec
 
-    config = json.loads((Path(args.source) / "config.json").read_text())
-    target = AutoModelForCausalLM.from_pretrained(args.target) if args.target else None
-    direction = args.to or ("deepspec" if config.get("model_type") in ("dspark", "eagle3_draft") else "hf_dspark")
-    if direction == "deepspec":
-        export_deepspec(AutoModel.from_pretrained(args.source), args.output, target=target)
-        print(f"wrote DeepSpec layout (vLLM/SGLang method 'dspark') to {args.output}", file=sys.stderr)
-    else:
-        import_deepspec(args.source, target=target).save_pretrained(args.output)
-        print(f"wrote hf_dspark drafter to {args.output}", file=sys.stderr)
+    try:
+        config = json.loads((Path(args.source) / "config.json").read_text())
+        target = AutoModelForCausalLM.from_pretrained(args.target) if args.target else None
+        direction = args.to or ("deepspec" if config.get("model_type") in ("dspark", "eagle3_draft") else "hf_dspark")
+        if direction == "deepspec":
+            export_deepspec(AutoModel.from_pretrained(args.source), args.output, target=target)
+            print(f"wrote DeepSpec's layout to {args.output}", file=sys.stderr)
+        else:
+            import_deepspec(args.source, target=target).save_pretrained(args.output)
+            print(f"wrote hf_dspark drafter to {args.output}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as error:  # includes SlotConventionError and target mismatches
+        print(f"hf-dspark convert: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
