@@ -63,6 +63,12 @@ IGNORED = ("rotary_emb.inv_freq", "t2d")
 logger = logging.get_logger(__name__)
 
 
+def served_by_vllm(config) -> bool:
+    """vLLM and SGLang serve DeepSpec's `Qwen3DSparkModel` with the vanilla Markov head or none (DFlash) only."""
+    return (config.model_type == BLOCK_DRAFTER_TYPE and config.qk_norm
+            and config.markov_head in (None, "markov"))
+
+
 class SlotConventionError(ValueError):
     """The checkpoint's slot k predicts anchor + k (speculators / z-lab DFlash), not anchor + k + 1."""
 
@@ -270,7 +276,7 @@ def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | 
         raise ValueError("DeepSpec's Eagle3 feeds every layer [embedding ; hidden]; only 1-layer drafters export")
     if getattr(config, "confidence_temperatures", None) is not None:
         raise ValueError("DeepSpec's layout has no per-slot confidence temperatures; they would be lost")
-    if kind == EAGLE3_DRAFTER_TYPE or config.markov_head not in (None, "markov"):
+    if not served_by_vllm(config):
         logger.warning("%s: DeepSpec's layout holds it exactly, but vLLM/SGLang serve only the vanilla Markov head "
                        "and DFlash from it", type(drafter).__name__)
     folder = Path(folder)

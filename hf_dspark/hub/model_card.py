@@ -6,16 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..models.common import drafter_kind
+from .convert import served_by_vllm
+
 TEMPLATE = Path(__file__).parent / "templates" / "drafter_card.md"  # templates -> the repository's model_cards/
 KIND_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 NOT_RECORDED = "Not recorded for this checkpoint."
-
-
-def drafter_kind(config) -> str:
-    """`dspark`, `dflash` or `eagle3` from a drafter config."""
-    if config.model_type == "eagle3_draft":
-        return "eagle3"
-    return "dflash" if getattr(config, "markov_head", None) is None else "dspark"
 
 
 def describe_config(config) -> str:
@@ -71,7 +67,7 @@ def describe_serving(config) -> str:
                 "norms; this drafter (for a " + str(config.target_model_type) + " target) has none, so "
                 "`hf-dspark convert` refuses to export it rather than change its outputs. Serve it with transformers "
                 "(batched: `hf_dspark.generation.SpeculativeEngine`).")
-    if config.model_type == "dspark" and getattr(config, "markov_head", None) in (None, "markov"):
+    if served_by_vllm(config):
         return ("Serving at scale: `hf-dspark convert <this folder> <out> --target <target>` writes DeepSpec's layout, "
                 "which vLLM loads with `--speculative-config '{\"method\": \"dspark\", \"model\": \"<out>\", "
                 f"\"num_speculative_tokens\": {config.block_size}, \"enable_adaptive_verification\": true}}'`, "

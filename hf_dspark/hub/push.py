@@ -14,7 +14,8 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
-from .model_card import default_model_card, drafter_kind, eval_results_table, replace_measured
+from ..models.common import drafter_kind
+from .model_card import default_model_card, eval_results_table, replace_measured
 
 
 def stage_drafter(drafter, folder: str | Path, *, card: str | None = None, base_model: str | None = None,

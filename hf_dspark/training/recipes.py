@@ -12,6 +12,7 @@ from torch.utils.data import ConcatDataset
 from transformers import AutoConfig, TrainingArguments
 
 from ..models import DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig, Eagle3DraftModel
+from ..models.common import drafter_kind
 from .data import Decontaminator, answer_examples, sharegpt_path
 from .init import init_context_from_target, init_layers_from_target, init_markov_head_from_bigrams
 from .budget import TimeBudgetCallback
@@ -48,14 +49,10 @@ def build_drafter(kind: str, target, *, num_layers: int, block_size: int, markov
 
 
 def continue_drafter(kind: str, path: str, target):
-    model_class = Eagle3DraftModel if kind == "eagle3" else DSparkDraftModel
-    found = AutoConfig.from_pretrained(path).model_type
-    if found != model_class.config_class.model_type:
-        raise ValueError(f"--init-from {path} holds a {found!r} drafter, not a {kind} drafter")
-    drafter = model_class.from_pretrained(path)
-    has_sequential = getattr(drafter.config, "markov_head", None) is not None
-    if kind != "eagle3" and (kind == "dflash") == has_sequential:
-        raise ValueError(f"--init-from {path} is not a {kind} drafter (sequential head: {drafter.config.markov_head})")
+    found = drafter_kind(AutoConfig.from_pretrained(path))
+    if found != (kind if kind in ("dflash", "eagle3") else "dspark"):
+        raise ValueError(f"--init-from {path} holds a {found or 'non-drafter'} checkpoint, not a {kind} drafter")
+    drafter = (Eagle3DraftModel if kind == "eagle3" else DSparkDraftModel).from_pretrained(path)
     drafter.attach_target(target)
     return drafter.float().train()
 

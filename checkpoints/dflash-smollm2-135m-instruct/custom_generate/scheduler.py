@@ -73,11 +73,8 @@ class DSparkScheduler:
         the drafter keeps decoding lossless: the round is a plain step."""
         if self.mode != "two_steps_ago" or len(self._history) < 2:
             return True
-        survival = self._history[0]
-        rows = survival.shape[0]
-        count = self._admissions(survival, early_stop=False)
-        expected = rows + float(survival.flatten().clamp_min(0).sort(descending=True).values[:count].sum())
-        with_drafts = expected * self.cost_table.steps_per_second(rows + count)
+        rows = self._history[0].shape[0]
+        _, with_drafts = self._search(self._history[0], early_stop=False)
         plain = rows / (self.cost_table.round_seconds(rows) - self.cost_table.draft_seconds)
         if with_drafts > plain:
             self._skipped = 0
@@ -108,6 +105,10 @@ class DSparkScheduler:
     def _admissions(self, survival: torch.Tensor, early_stop: bool) -> int:
         """How many positions of the ranking to admit: the count with the best E * SPS(B), or (early stop) the
         count reached before the first admission that does not raise it."""
+        return self._search(survival, early_stop)[0]
+
+    def _search(self, survival: torch.Tensor, early_stop: bool) -> tuple[int, float]:
+        """`_admissions` and the expected throughput E * SPS(B) of admitting that many (drafting paid)."""
         rows = survival.shape[0]
         expected, batch = float(rows), rows
         best_throughput = expected * self.cost_table.steps_per_second(batch)
@@ -124,7 +125,7 @@ class DSparkScheduler:
                 best_throughput, best_count = throughput, admitted
             elif early_stop:
                 break
-        return best_count
+        return best_count, best_throughput
 
     @staticmethod
     def _lengths(survival: torch.Tensor, count: int) -> torch.LongTensor:

@@ -30,6 +30,15 @@ def drafter_type(model) -> str | None:
     return model_type if model_type in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE) else None
 
 
+def drafter_kind(config) -> str | None:
+    """`"dspark"` (any sequential head), `"dflash"` or `"eagle3"` for a drafter config; None for anything else."""
+    if config.model_type == EAGLE3_DRAFTER_TYPE:
+        return "eagle3"
+    if config.model_type == BLOCK_DRAFTER_TYPE:
+        return "dflash" if config.markov_head is None else "dspark"
+    return None
+
+
 class DrafterTargetMismatchError(ValueError):
     """A drafter was used with a target model whose shapes or depth it was not built for."""
 
