@@ -81,6 +81,9 @@ def test_answer_extraction():
     assert extract_boxed_answer("\\boxed{ 033 }") == "033" and extract_boxed_answer("\\boxed{12.0}") == "12"
     assert extract_boxed_answer("unfinished \\boxed{\\frac{1}{2") is None
     assert reference_answer("Janet sells 16 - 3 - 4 = 9 eggs.\n#### 18", "number") == "18"
+    # A bare LaTeX reference is normalised like a boxed model answer, so the two compare equal.
+    assert reference_answer("\\left( 3, \\frac{\\pi}{2} \\right)", "boxed") == "(3,\\frac{\\pi}{2})"
+    assert reference_answer("\\dfrac{1}{2}.", "boxed") == extract_boxed_answer("\\boxed{\\frac12}")
     assert extract_code("Here:\n```python\ndef f():\n    return 1\n```\nUse f().") == "def f():\n    return 1\n"
 
 
@@ -231,6 +234,23 @@ def test_shipped_humaneval_prompts_carry_their_unit_tests():
     wrong = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
     assert run_tests(right, first.tests, first.entry_point)
     assert not run_tests(wrong, first.tests, first.entry_point)
+
+
+def test_shipped_math_sets_carry_reference_answers_and_mbpp_its_tests():
+    """Accuracy on gsm8k/math500 and pass@1 on mbpp need references and tests on every shipped line."""
+    sets = load_prompt_sets(["gsm8k", "math500", "mbpp"])
+    assert [len(sets[n]) for n in ("gsm8k", "math500", "mbpp")] == [1319, 500, 257]
+    assert all(p.reference for n in ("gsm8k", "math500") for p in sets[n])
+    assert all(reference_answer(p.reference, "number").lstrip("-").replace(".", "").isdigit() for p in sets["gsm8k"])
+    gsm8k, math500, mbpp = sets["gsm8k"][0], sets["math500"][0], sets["mbpp"][0]
+    assert "Janet" in gsm8k.turns[0] and reference_answer(gsm8k.reference, "number") == "18"
+    assert reference_answer(math500.reference, "boxed") == extract_boxed_answer(
+        "so $(r, \\theta) = \\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$.")
+    assert all(p.tests and all(t.startswith("assert") for t in p.tests) for p in sets["mbpp"])
+    right = ("```python\ndef remove_Occ(s, ch):\n    first = s.find(ch)\n    if first < 0:\n        return s\n"
+             "    s = s[:first] + s[first + 1:]\n    last = s.rfind(ch)\n    return s if last < 0 else s[:last] + s[last + 1:]\n```")
+    assert run_tests(right, mbpp.tests)
+    assert not run_tests(right.replace("s[last + 1:]", "s[last:]"), mbpp.tests)
 
 
 def test_prompt_files_keep_unicode_line_separators_inside_strings(tmp_path):

@@ -13,8 +13,8 @@ import torch
 
 
 def cmd_bench(args) -> int:
-    from hf_dspark.cli.generate import load_drafters, shipped_drafter_path
-    from hf_dspark.cli.main import load_target
+    from hf_dspark.cli.generate import load_drafters
+    from hf_dspark.models.loading import load_target, shipped_drafter_path
     from hf_dspark.evaluation.speed import held_out_prompts, markdown_table, run_speed_benchmark
 
     if args.threads:
@@ -34,6 +34,7 @@ def cmd_bench(args) -> int:
     raw = {}
     for dtype in args.dtypes:
         target, tokenizer = load_target(args.target, dtype)
+        report.append(verification_cost_line(target, dtype, raw))
         drafters = load_drafters(named, target, args.schedule, args.target or "smollm2-135m-instruct")
         for temperature in args.temperatures:
             title = f"{dtype}, {'greedy' if temperature == 0 else f'T={temperature:g}'}"
@@ -50,6 +51,20 @@ def cmd_bench(args) -> int:
         Path(args.output).with_suffix(".json").write_text(json.dumps({"command": command, "results": raw}, indent=1))
         print(f"written to {args.output} (and .json)", file=sys.stderr)
     return 0
+
+
+def verification_cost_line(target, dtype: str, raw: dict) -> str:
+    """What a target forward over k tokens costs relative to a one-token decode step on this machine: speculative
+    decoding verifying k tokens per round gains only when tau exceeds that ratio plus the drafting time."""
+    from hf_dspark.scheduling import profile_verification_costs
+
+    table = profile_verification_costs(target, max_tokens=8, context_length=256, repeats=5)
+    ratios = [seconds / table.seconds[0] for seconds in table.seconds]
+    raw[f"{dtype}, target forward cost"] = {"ms_by_tokens": [round(1000 * s, 2) for s in table.seconds],
+                                            "ratio_to_one_token": [round(r, 3) for r in ratios]}
+    listed = ", ".join(f"{k} tokens {ratios[k - 1]:.2f}x" for k in (2, 4, 8))
+    return (f"{dtype} target forward after a 256-token context: 1 token {1000 * table.seconds[0]:.1f} ms; {listed}. "
+            f"Verifying 8 tokens per round breaks even at tau = {ratios[7]:.2f} before drafting costs.\n")
 
 
 def add_parser(sub, dtypes) -> None:

@@ -4,27 +4,12 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import torch
-from transformers import AutoModel, TextStreamer
+from transformers import TextStreamer
 
-SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"
-
-
-def shipped_drafter_path(kind: str = "dspark") -> Path:
-    """The drafter for the embedded default target that ships in this repository's `checkpoints/`."""
-    path = SHIPPED / f"{kind}-smollm2-135m-instruct"
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no shipped {kind} drafter at {path} (it ships with the hf_dspark repository); "
-                                "pass --drafter PATH")
-    return path
-
-
-def load_drafter(path: str | Path, dtype: torch.dtype):
-    import hf_dspark  # noqa: F401  (registers the drafter classes)
-
-    return AutoModel.from_pretrained(str(path), dtype=dtype).eval()
+from hf_dspark.evaluation.prompts import chat_input_ids
+from hf_dspark.models.loading import load_drafter, shipped_drafter_path
 
 
 def cost_table_for(target, drafter, target_name: str):
@@ -63,13 +48,6 @@ def load_drafters(named: dict[str, str], target, schedule: bool, target_name: st
     return drafters
 
 
-def chat_input_ids(tokenizer, messages: list[dict]) -> torch.LongTensor:
-    """`chat_prompt_ids` as the (1, L) tensor `generate` takes."""
-    from hf_dspark.training.regenerate import chat_prompt_ids
-
-    return torch.tensor([chat_prompt_ids(tokenizer, messages)])
-
-
 def generate_once(target, tokenizer, drafter, input_ids, args, stream: bool = True):
     """(new token ids, seconds) of one speculative (drafter given) or plain (drafter None) generation."""
     sampling = {"do_sample": args.temperature > 0}
@@ -83,7 +61,7 @@ def generate_once(target, tokenizer, drafter, input_ids, args, stream: bool = Tr
 
 
 def cmd_generate(args) -> int:
-    from hf_dspark.cli.main import DTYPES, load_target
+    from hf_dspark.models.loading import DTYPES, load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

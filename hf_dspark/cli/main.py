@@ -8,19 +8,7 @@ import sys
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_target(path: str | None, dtype: str):
-    """The target named by ``path``, or the embedded SmolLM2 default."""
-    if path is None:
-        from hf_dspark.models.default_target import load_default_target
-
-        return load_default_target(dtype=DTYPES[dtype])
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+from hf_dspark.models.loading import DTYPES, load_target
 
 
 def cmd_regenerate(args) -> int:
@@ -87,7 +75,7 @@ def cmd_profile(args) -> int:
     target, _ = load_target(args.target, args.dtype)
     drafter = None
     if args.drafter:
-        from hf_dspark.cli.generate import load_drafter
+        from hf_dspark.models.loading import load_drafter
 
         drafter = load_drafter(args.drafter, target.dtype)
     table = profile_verification_costs(target, max_tokens=args.max_tokens, context_length=args.context_length,

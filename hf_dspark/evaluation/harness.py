@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..generation.stats import SpeculativeStats
-from .prompts import EvalPrompt, load_prompt_sets
+from .prompts import EvalPrompt, chat_input_ids, load_prompt_sets
 from .speed import PLAIN
 
 RECORDS = "records.jsonl"
@@ -149,7 +149,6 @@ def generate_record(target, tokenizer, drafter, method: str, prompt: EvalPrompt,
                     max_new_tokens: int | None = None) -> dict:
     """Answer the prompt (first turn, or every turn fed with this method's own earlier answers) and describe it as
     a record: per turn the new token ids, text and seconds; for a drafter, its round statistics."""
-    from ..cli.generate import chat_input_ids
 
     sampling = {"do_sample": False} if settings.greedy else {
         "do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0}
@@ -236,7 +235,7 @@ def run_records(target, tokenizer, drafters: dict, prompts: list[EvalPrompt], st
 
 
 def _default_drafters() -> dict:
-    from ..cli.generate import shipped_drafter_path
+    from ..models.loading import shipped_drafter_path
 
     return {"dspark": shipped_drafter_path("dspark")}
 
@@ -256,8 +255,7 @@ def evaluate(benchmarks=("gsm8k", "humaneval", "mt-bench"), *, output_dir: str |
     Rerunning with the same settings resumes; other settings in the same folder raise `SettingsMismatchError`.
     Greedy outputs that differ from plain greedy raise `OutputMismatchError` unless `allow_mismatch`.
     """
-    from ..cli.generate import load_drafter
-    from ..cli.main import load_target
+    from ..models.loading import load_drafter, load_target
     from .report import write_report
     from .summary import summarize
 

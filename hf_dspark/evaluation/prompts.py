@@ -2,8 +2,8 @@
 files of prompts, all read into one `EvalPrompt` shape.
 
 A JSONL line may carry more than its turns: `reference` (or `answer`) enables accuracy, and `test` (or
-`test_list`) with an optional `entry_point` / `test_imports` enables pass@1 under `--execute-code`. The shipped
-sets carry none of these, so for them only the speculative-vs-plain agreement can be reported.
+`test_list`) with an optional `entry_point` / `test_imports` enables pass@1 under `--execute-code`. Of the shipped
+sets, gsm8k and math500 carry references and humaneval and mbpp tests (see `data/README.md`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import BENCHMARKS, benchmark_path
+
+
+def chat_input_ids(tokenizer, messages: list[dict]):
+    """The chat-templated (1, L) prompt tensor `generate` takes, built exactly as the training data was."""
+    import torch
+
+    from ..training.regenerate import chat_prompt_ids
+
+    return torch.tensor([chat_prompt_ids(tokenizer, messages)])
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Task quality of an answer: final-answer extraction (math sets) and test execution (code sets).
 
 Speculative decoding is lossless, so its answers must score exactly as plain decoding's do; for greedy decoding
-they must be the same answers. The shipped prompt sets carry no reference answers, so the harness reports the
-*agreement* of extracted answers between speculative and plain decoding, and real accuracy / pass@1 only for
-prompt files that carry references or tests.
+they must be the same answers. The harness reports the *agreement* of extracted answers between speculative and
+plain decoding for every set, and accuracy / pass@1 for prompts that carry references or tests: the shipped
+gsm8k and math500 carry reference answers, humaneval and mbpp their tests.
 """
 
 from __future__ import annotations
@@ -94,11 +94,14 @@ def answer_format(benchmark: str, has_references: bool) -> str | None:
 
 
 def reference_answer(reference: str, kind: str) -> str | None:
-    """A reference in the extractor's form: GSM8K-style `... #### 72` references keep what follows `####`."""
+    """A reference in the extractor's form: GSM8K-style `... #### 72` references keep what follows `####`; a bare
+    LaTeX answer (MATH-500's `\\frac{\\pi}{2}`) gets the normalisation a boxed model answer gets."""
     if "####" in reference:
         reference = reference.rsplit("####", 1)[1]
     extracted = EXTRACTORS[kind](reference)
-    return extracted if extracted is not None else reference.strip()
+    if extracted is not None:
+        return extracted
+    return normalize_math(reference) if kind in ("boxed", "auto") else reference.strip()
 
 
 # -- code ------------------------------------------------------------------------------------------------------

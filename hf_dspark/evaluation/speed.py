@@ -16,7 +16,7 @@ import torch
 
 from ..generation.stats import SpeculativeStats
 from .metrics import acceptance_summary
-from .prompts import load_prompt_sets
+from .prompts import chat_input_ids, load_prompt_sets
 
 PROMPT_LOOKUP = "prompt-lookup"
 PLAIN = "plain"
@@ -51,7 +51,6 @@ class MethodResult:
 def run_speed_benchmark(target, tokenizer, drafters: dict, prompts: list[tuple[str, str]], *, max_new_tokens: int,
                         temperature: float, prompt_lookup_tokens: int = 10, seed: int = 0, log=print) -> dict:
     """`drafters` maps a label to a loaded drafter. Returns {method: summary} with plain and prompt lookup first."""
-    from ..cli.generate import chat_input_ids
 
     methods = [PLAIN, PROMPT_LOOKUP, *drafters]
     results = {m: MethodResult() for m in methods}
