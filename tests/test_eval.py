@@ -186,7 +186,9 @@ def test_eval_end_to_end_resumes_and_refuses_other_settings(saved_models, tmp_pa
     assert len({json.dumps(a["pass_at_1"]) for a in arith.values()}) == 1 and arith["plain"]["pass_at_1"]["total"] == 2
     assert arith["plain"]["answers_extracted"]["total"] == 2
     assert results["benchmarks"]["arith"]["answer_format"] == "auto"
-    assert results["benchmarks"]["gsm8k"]["references"] == 0
+    assert results["benchmarks"]["gsm8k"]["references"] == 2  # the shipped gsm8k carries reference answers
+    gsm8k = {m: results["results"][m]["by_benchmark"]["gsm8k"] for m in results["methods"]}
+    assert len({json.dumps(a["accuracy"]) for a in gsm8k.values()}) == 1 and gsm8k["plain"]["accuracy"]["total"] == 2
 
     markdown = (out / "results.md").read_text()
     assert "| dspark |" in markdown and "| gsm8k | dflash |" in markdown and "**yes, all**" in markdown
