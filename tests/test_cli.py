@@ -51,7 +51,7 @@ def test_bench_reports_every_method_side_by_side(saved_pair, tmp_path, capsys):
     assert "| 2/2 |" in text  # both greedy outputs identical to plain, for prompt lookup and the drafter
     assert "hf-dspark bench" in text and "float32, greedy" in text and "float32, T=1" in text
     assert "float32 target forward after a 256-token context" in text
-    costs = json.loads(report.with_suffix(".json").read_text())["results"]["float32, target forward cost"]
+    costs = json.loads(report.with_suffix(".json").read_text())["target_forward_cost"]["float32"]
     assert len(costs["ms_by_tokens"]) == 8 and costs["ratio_to_one_token"][0] == 1.0
 
 
@@ -70,7 +70,6 @@ def test_profiled_cost_table_round_trips(tmp_path):
 
 
 def test_regenerate_can_write_the_target_cache_in_the_same_run(saved_pair, tmp_path):
-
     from hf_dspark.training.target_cache import TargetCacheDataset
 
     prompts = tmp_path / "prompts.jsonl"

@@ -84,6 +84,13 @@ def test_answer_extraction():
     # A bare LaTeX reference is normalised like a boxed model answer, so the two compare equal.
     assert reference_answer("\\left( 3, \\frac{\\pi}{2} \\right)", "boxed") == "(3,\\frac{\\pi}{2})"
     assert reference_answer("\\dfrac{1}{2}.", "boxed") == extract_boxed_answer("\\boxed{\\frac12}")
+    # A list stays a list (no `3, 5, 7` == 357), while currency, percent, unit words and `\\frac{270}7` normalise.
+    assert reference_answer("3, 5, 7", "boxed") != extract_boxed_answer("\\boxed{357}")
+    assert reference_answer("-2,1", "boxed") != extract_boxed_answer("\\boxed{-21}")
+    assert reference_answer("1,000", "boxed") == extract_boxed_answer("\\boxed{1000}")
+    for reference, answer in (("\\$36", "36"), ("10\\%", "10"), ("5.4 \\text{ cents}", "5.4"),
+                              ("864 \\mbox{ inches}^2", "864"), ("\\frac{270}7", "\\frac{270}{7}"), ("\\text{(C)}", "C")):
+        assert reference_answer(reference, "boxed") == extract_boxed_answer(f"\\boxed{{{answer}}}"), reference
     assert extract_code("Here:\n```python\ndef f():\n    return 1\n```\nUse f().") == "def f():\n    return 1\n"
 
 
@@ -248,7 +255,11 @@ def test_shipped_math_sets_carry_reference_answers_and_mbpp_its_tests():
     assert "Janet" in gsm8k.turns[0] and reference_answer(gsm8k.reference, "number") == "18"
     assert reference_answer(math500.reference, "boxed") == extract_boxed_answer(
         "so $(r, \\theta) = \\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$.")
-    assert all(p.tests and all(t.startswith("assert") for t in p.tests) for p in sets["mbpp"])
+    import ast
+
+    asserts = [ast.parse(t).body[0] for p in sets["mbpp"] for t in p.tests]
+    # Every test is a plain assert (task 436's original `== -1,-6` asserted with a message; it ships corrected).
+    assert asserts and all(isinstance(a, ast.Assert) and a.msg is None for a in asserts)
     right = ("```python\ndef remove_Occ(s, ch):\n    first = s.find(ch)\n    if first < 0:\n        return s\n"
              "    s = s[:first] + s[first + 1:]\n    last = s.rfind(ch)\n    return s if last < 0 else s[:last] + s[last + 1:]\n```")
     assert run_tests(right, mbpp.tests)

@@ -14,8 +14,8 @@ import torch
 
 def cmd_bench(args) -> int:
     from hf_dspark.cli.generate import load_drafters
-    from hf_dspark.models.loading import load_target, shipped_drafter_path
     from hf_dspark.evaluation.speed import held_out_prompts, markdown_table, run_speed_benchmark
+    from hf_dspark.models.loading import load_target, shipped_drafter_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -31,10 +31,12 @@ def cmd_bench(args) -> int:
               f"torch {torch.__version__}. Prompts: {len(prompts)} held-out first turns "
               f"({', '.join(args.benchmarks)}; {args.prompts_per_benchmark} each), batch 1, "
               f"{args.max_new_tokens} new tokens. Methods run interleaved prompt by prompt.", ""]
-    raw = {}
+    raw, forward_costs = {}, {}
     for dtype in args.dtypes:
         target, tokenizer = load_target(args.target, dtype)
-        report.append(verification_cost_line(target, dtype, raw))
+        line, forward_costs[dtype] = measure_forward_costs(target, dtype)
+        report.append(line)
+        print(line, flush=True)
         drafters = load_drafters(named, target, args.schedule, args.target or "smollm2-135m-instruct")
         for temperature in args.temperatures:
             title = f"{dtype}, {'greedy' if temperature == 0 else f'T={temperature:g}'}"
@@ -48,23 +50,30 @@ def cmd_bench(args) -> int:
     report += ["", "Raw summaries:", "", "```json", json.dumps(raw, indent=1), "```", ""]
     if args.output:
         Path(args.output).write_text("\n".join(report))
-        Path(args.output).with_suffix(".json").write_text(json.dumps({"command": command, "results": raw}, indent=1))
+        Path(args.output).with_suffix(".json").write_text(json.dumps({"command": command, "results": raw,
+                                                                          "target_forward_cost": forward_costs}, indent=1))
         print(f"written to {args.output} (and .json)", file=sys.stderr)
     return 0
 
 
-def verification_cost_line(target, dtype: str, raw: dict) -> str:
-    """What a target forward over k tokens costs relative to a one-token decode step on this machine: speculative
-    decoding verifying k tokens per round gains only when tau exceeds that ratio plus the drafting time."""
+COST_TOKENS = 8
+"""Forward sizes the bench times: 1..8 tokens, a gamma-7 block plus its anchor."""
+
+
+def measure_forward_costs(target, dtype: str) -> tuple[str, dict]:
+    """(report line, data): what a target forward over k tokens costs relative to a one-token decode step on this
+    machine. Speculative decoding verifying k tokens per round gains only when tau exceeds that ratio plus the
+    drafting time."""
     from hf_dspark.scheduling import profile_verification_costs
 
-    table = profile_verification_costs(target, max_tokens=8, context_length=256, repeats=5)
+    table = profile_verification_costs(target, max_tokens=COST_TOKENS, context_length=256, repeats=5)
     ratios = [seconds / table.seconds[0] for seconds in table.seconds]
-    raw[f"{dtype}, target forward cost"] = {"ms_by_tokens": [round(1000 * s, 2) for s in table.seconds],
-                                            "ratio_to_one_token": [round(r, 3) for r in ratios]}
-    listed = ", ".join(f"{k} tokens {ratios[k - 1]:.2f}x" for k in (2, 4, 8))
-    return (f"{dtype} target forward after a 256-token context: 1 token {1000 * table.seconds[0]:.1f} ms; {listed}. "
-            f"Verifying 8 tokens per round breaks even at tau = {ratios[7]:.2f} before drafting costs.\n")
+    data = {"ms_by_tokens": [round(1000 * s, 2) for s in table.seconds],
+            "ratio_to_one_token": [round(r, 3) for r in ratios]}
+    listed = ", ".join(f"{k} tokens {ratios[k - 1]:.2f}x" for k in (2, 4, COST_TOKENS))
+    line = (f"{dtype} target forward after a 256-token context: 1 token {1000 * table.seconds[0]:.1f} ms; {listed}. "
+            f"Verifying {COST_TOKENS} tokens per round breaks even at tau = {ratios[-1]:.2f} before drafting costs.\n")
+    return line, data
 
 
 def add_parser(sub, dtypes) -> None:

@@ -28,10 +28,10 @@ def parse_benchmarks(items: list[str]) -> list[str]:
 
 def cmd_eval(args) -> int:
     from hf_dspark.cli.generate import load_drafters
-    from hf_dspark.models.loading import load_target, shipped_drafter_path
     from hf_dspark.evaluation import OutputMismatchError, SettingsMismatchError, evaluate
     from hf_dspark.evaluation.harness import DEFAULT_TARGET_NAME, location
     from hf_dspark.evaluation.prompts import load_prompt_sets
+    from hf_dspark.models.loading import load_target, shipped_drafter_path
 
     if args.threads:
         torch.set_num_threads(args.threads)

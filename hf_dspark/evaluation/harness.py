@@ -149,7 +149,6 @@ def generate_record(target, tokenizer, drafter, method: str, prompt: EvalPrompt,
                     max_new_tokens: int | None = None) -> dict:
     """Answer the prompt (first turn, or every turn fed with this method's own earlier answers) and describe it as
     a record: per turn the new token ids, text and seconds; for a drafter, its round statistics."""
-
     sampling = {"do_sample": False} if settings.greedy else {
         "do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0}
     turns = prompt.turns if settings.multi_turn else prompt.turns[:1]

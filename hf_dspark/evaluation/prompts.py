@@ -12,11 +12,15 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import BENCHMARKS, benchmark_path
 
+if TYPE_CHECKING:
+    import torch
 
-def chat_input_ids(tokenizer, messages: list[dict]):
+
+def chat_input_ids(tokenizer, messages: list[dict]) -> torch.LongTensor:
     """The chat-templated (1, L) prompt tensor `generate` takes, built exactly as the training data was."""
     import torch
 

@@ -15,6 +15,9 @@ import sys
 import tempfile
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+SINGLE_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+")
+UNIT = re.compile(r"^(-?[\d.,]+)\s*\\(?:text|mbox)\{\s*[A-Za-z][A-Za-z ]*\}(?:\^\{?\d\}?)?$")
+"""A number followed by a unit word (`5.4 \\text{ cents}`, `15\\mbox{ cm}^2`): the number is the answer."""
 CODE_BLOCK = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
 
 
@@ -56,15 +59,20 @@ def extract_number_answer(text: str) -> str | None:
 
 
 def normalize_math(answer: str) -> str:
-    """Light LaTeX normalisation so that `\\dfrac{1}{2}`, `\\frac12 ` and `$\\frac{1}{2}$.` compare equal; not a
-    symbolic equivalence check."""
-    answer = re.sub(r"\\text\{\s*([^}]*)\}", r"\1", answer)
+    """Light LaTeX normalisation so that `\\dfrac{1}{2}`, `\\frac12 ` and `$\\frac{1}{2}$.` compare equal, and `\\$36`,
+    `36\\%` or `5.4 \\text{ cents}` equal `36` / `5.4`; not a symbolic equivalence check. A list such as `3, 5, 7`
+    stays a list (commas are read as thousands separators only in `1,000`-style numbers)."""
+    answer = UNIT.sub(r"\1", answer.strip())
+    answer = re.sub(r"\\(?:text|mbox|textbf)\{\s*([^}]*)\}", r"\1", answer)
     for old, new in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""), ("\\!", ""),
-                     ("\\,", ""), ("\\;", ""), ("$", ""), ("^\\circ", ""), ("^{\\circ}", "")):
+                     ("\\,", ""), ("\\;", ""), ("\\$", ""), ("$", ""), ("\\%", ""), ("%", ""), ("^\\circ", ""),
+                     ("^{\\circ}", "")):
         answer = answer.replace(old, new)
     answer = re.sub(r"\s+", "", answer).rstrip(".")
     answer = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", answer)
-    number = last_number(answer) if NUMBER.fullmatch(answer) else None
+    answer = re.sub(r"\\frac\{([^{}]+)\}(\d)", r"\\frac{\1}{\2}", answer)
+    answer = re.sub(r"^\(([A-Ea-e])\)$", r"\1", answer)  # a multiple-choice letter, with or without parentheses
+    number = last_number(answer) if SINGLE_NUMBER.fullmatch(answer) else None
     return number if number is not None else answer
 
 
@@ -94,14 +102,14 @@ def answer_format(benchmark: str, has_references: bool) -> str | None:
 
 
 def reference_answer(reference: str, kind: str) -> str | None:
-    """A reference in the extractor's form: GSM8K-style `... #### 72` references keep what follows `####`; a bare
-    LaTeX answer (MATH-500's `\\frac{\\pi}{2}`) gets the normalisation a boxed model answer gets."""
+    """A reference in the extractor's form: GSM8K-style `... #### 72` references keep what follows `####`; for
+    boxed sets, a bare LaTeX answer (MATH-500's `\\frac{\\pi}{2}`) gets the normalisation a boxed model answer gets."""
     if "####" in reference:
         reference = reference.rsplit("####", 1)[1]
+    if kind == "boxed" and last_boxed(reference) is None:
+        return normalize_math(reference)
     extracted = EXTRACTORS[kind](reference)
-    if extracted is not None:
-        return extracted
-    return normalize_math(reference) if kind in ("boxed", "auto") else reference.strip()
+    return extracted if extracted is not None else reference.strip()
 
 
 # -- code ------------------------------------------------------------------------------------------------------

@@ -51,7 +51,6 @@ class MethodResult:
 def run_speed_benchmark(target, tokenizer, drafters: dict, prompts: list[tuple[str, str]], *, max_new_tokens: int,
                         temperature: float, prompt_lookup_tokens: int = 10, seed: int = 0, log=print) -> dict:
     """`drafters` maps a label to a loaded drafter. Returns {method: summary} with plain and prompt lookup first."""
-
     methods = [PLAIN, PROMPT_LOOKUP, *drafters]
     results = {m: MethodResult() for m in methods}
     sampling = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature,

@@ -34,8 +34,6 @@ def shipped_drafter_path(kind: str = "dspark") -> Path:
 
 def load_drafter(path: str | Path, dtype: torch.dtype):
     """A saved drafter in eval mode (`import hf_dspark` has registered its classes with `AutoModel`)."""
-    from transformers import AutoModel
-
-    import hf_dspark  # noqa: F401  (registers the drafter classes)
+    from transformers import AutoModel  # the drafter classes are registered on `import hf_dspark`, our parent
 
     return AutoModel.from_pretrained(str(path), dtype=dtype).eval()
