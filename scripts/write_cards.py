@@ -50,6 +50,11 @@ parser.add_argument("--stages", nargs="*", default=[], help="continuation run fo
 args = parser.parse_args()
 
 
+def given_seconds(summary: dict) -> int:
+    """The `--max-seconds` a run was given: the budget it spent (which overshoots by one step) to the quarter hour."""
+    return round(summary["budget_seconds"] / 900) * 900
+
+
 def continue_command(seconds: float) -> str:
     return ("--cache /work/cache/smollm2-v1 --batch-size 4 --num-anchors 64 --learning-rate 1e-3 "
             f"--warmup-ratio 0.0002 --max-steps 100000 --save-steps 25 --max-seconds {seconds:.0f} --threads 1 "
@@ -90,7 +95,7 @@ for kind, name in KIND_NAMES.items():
                 + " so the scheduled variant mostly declines to draft.")
     stages = [(Path(stage).name, json.loads((Path(stage) / kind / "training_summary.json").read_text()))
               for stage in args.stages]
-    budgets = [round(stage["budget_seconds"] / 900) * 900 for _, stage in stages]  # the --max-seconds given
+    budgets = [given_seconds(stage) for _, stage in stages]
     continued = "".join(
         f"; then ({stage_name}) {budget} s more ({stage['steps']} steps, learning rate again 1e-3 annealed over the "
         f"new budget), {STAGE_LAYOUT.get(stage_name, 'one thread each, float32')}"
@@ -113,7 +118,7 @@ for kind, name in KIND_NAMES.items():
         commands.append(f"hf-dspark train --kind {kind} --init-from {shipped_from} --output {folder_name}/{kind} "
                         f"{continue_command(budget)}")
         shipped_from = f"{folder_name}/{kind}"
-    hours = (round(first["budget_seconds"] / 900) * 900 + sum(budgets)) / 3600
+    hours = (given_seconds(first) + sum(budgets)) / 3600
     version = f"{stages[-1][0] if stages else 'v1'}: {hours:.1f} hours of training on shared CPU cores"
     commands.append(f"python scripts/ship_drafter.py {shipped_from} checkpoints/{kind}-smollm2-135m-instruct")
     card = render_model_card(

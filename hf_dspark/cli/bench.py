@@ -50,8 +50,8 @@ def cmd_bench(args) -> int:
     report += ["", "Raw summaries:", "", "```json", json.dumps(raw, indent=1), "```", ""]
     if args.output:
         Path(args.output).write_text("\n".join(report))
-        Path(args.output).with_suffix(".json").write_text(json.dumps({"command": command, "results": raw,
-                                                                          "target_forward_cost": forward_costs}, indent=1))
+        raw_json = {"command": command, "results": raw, "target_forward_cost": forward_costs}
+        Path(args.output).with_suffix(".json").write_text(json.dumps(raw_json, indent=1))
         print(f"written to {args.output} (and .json)", file=sys.stderr)
     return 0
 
