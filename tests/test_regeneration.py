@@ -8,6 +8,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hf_dspark.models.default_target import default_target_dir, load_default_target
 from hf_dspark.training import RegenerationConfig, iter_regenerated, regenerate
+from hf_dspark.training.regenerate import chat_prompt_ids, is_sampled
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +52,73 @@ def test_regeneration_writes_shards_and_resumes_without_duplicates(tmp_path, tok
     with pytest.raises(ValueError, match="other settings"):
         regenerate(target, tokenizer, prompts[:7], tmp_path, RegenerationConfig(max_new_tokens=9), target_name="tiny",
                    progress=False)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    target, tokenizer = load_default_target(torch.float32)
+    return target, tokenizer
+
+
+def _records(folder):
+    return sorted((json.loads(line) for shard in sorted(folder.glob("shard-*.jsonl")) for line in shard.open()),
+                  key=lambda r: r["id"])
+
+
+def test_continuous_batching_gives_each_prompt_its_plain_greedy_answer(tmp_path, smollm2):
+    """Rows end at different steps (EOS or the length limit) and are refilled with waiting prompts; every greedy
+    answer is still the one plain `generate` writes for that prompt alone."""
+    target, tokenizer = smollm2
+    prompts = ["Say yes.", "Name a colour.", "Write a haiku about rain.", "What is 2 + 2?",
+               "List three fruits.", "Say hello in French."]
+    config = RegenerationConfig(max_new_tokens=20, greedy_fraction=1.0, batch_size=3, refill_every=2, max_turns=1)
+    stats = regenerate(target, tokenizer, prompts, tmp_path, config, progress=False)
+    records = _records(tmp_path)
+    assert [r["id"] for r in records] == list(range(6))
+    lengths = set()
+    for record in records:
+        (start, end), = record["answer_spans"]
+        prompt = torch.tensor([record["input_ids"][:start]])
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=20, pad_token_id=tokenizer.eos_token_id)
+        answer = plain[0, start:].tolist()
+        if tokenizer.eos_token_id in answer:
+            answer = answer[: answer.index(tokenizer.eos_token_id) + 1]
+        assert record["input_ids"][start:end] == answer
+        assert record["finished"] == (answer[-1] == tokenizer.eos_token_id) and not record["sampled"]
+        lengths.add(end - start)
+    assert len(lengths) > 1  # rows really ended at different steps
+    assert stats["answer_tokens"] == sum(r["answer_spans"][0][1] - r["answer_spans"][0][0] for r in records)
+
+
+def test_later_turns_are_answered_after_the_targets_own_answers(tmp_path, smollm2):
+    target, tokenizer = smollm2
+    conversations = [["Say only the word yes.", "Now say only the word no."],
+                     ["What is the capital of France? One word.", "And of Italy? One word.", "And of Spain?"]]
+    config = RegenerationConfig(max_new_tokens=24, greedy_fraction=1.0, batch_size=4, max_turns=3)
+    regenerate(target, tokenizer, conversations, tmp_path, config, progress=False)
+    records = _records(tmp_path)
+    assert [len(r["answer_spans"]) for r in records] == [2, 3]
+    for record, turns in zip(records, conversations):
+        ids, spans = record["input_ids"], record["answer_spans"]
+        messages = []
+        for turn, (start, end) in zip(turns, spans):
+            messages.append({"role": "user", "content": turn})
+            # The context before each answer is the templated conversation, with the target's own earlier answers.
+            assert ids[:start] == chat_prompt_ids(tokenizer, messages)
+            plain = target.generate(torch.tensor([ids[:start]]), do_sample=False, max_new_tokens=24,
+                                    pad_token_id=tokenizer.eos_token_id)[0, start:].tolist()
+            assert ids[start:end] == plain[: end - start] and ids[end - 1] == tokenizer.eos_token_id
+            messages.append({"role": "assistant", "content": tokenizer.decode(ids[start:end - 1])})
+    examples = list(iter_regenerated(tmp_path))
+    for example, record in zip(examples, records):
+        assert sum(example["loss_mask"]) == sum(end - start for start, end in record["answer_spans"])
+
+
+def test_sampled_share_is_fixed_by_seed_and_fraction():
+    config = RegenerationConfig(greedy_fraction=0.75, seed=3)
+    chosen = [is_sampled(i, config) for i in range(4000)]
+    assert chosen == [is_sampled(i, RegenerationConfig(greedy_fraction=0.75, seed=3)) for i in range(4000)]
+    assert 0.22 < sum(chosen) / 4000 < 0.28
+    assert not any(is_sampled(i, RegenerationConfig(greedy_fraction=1.0)) for i in range(100))
+    with pytest.raises(ValueError, match="temperature"):
+        RegenerationConfig(temperature=-1)

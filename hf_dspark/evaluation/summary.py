@@ -46,7 +46,7 @@ def describe_hardware() -> str:
 def _stats(record: dict) -> SpeculativeStats | None:
     s = record.get("stats")
     return None if s is None else SpeculativeStats(s["draft_lengths"], s["accepted"], s["confidences"],
-                                                   dict(s["seconds"]))
+                                                   s.get("sources", []), dict(s["seconds"]))
 
 
 def _rate(hits: list[bool]) -> dict:

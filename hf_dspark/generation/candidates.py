@@ -1,10 +1,13 @@
 """`transformers` candidate generators for hf_dspark drafters.
 
-Each round they read the target's hidden states at the drafter's layers from the previous target forward
-(only the rows of tokens that were accepted), extend the drafter's context cache with them, and draft up to
-gamma tokens. The user's logits processors are applied exactly once to each draft slot, with the same context
-the target's slot will see during verification, and the processed logits are returned so that the verifier
-uses the very distribution the tokens were sampled from.
+Each round they take the target's hidden states at the drafter's layers for the positions committed since the
+last round (the accepted tokens), and propose the next round's drafts. With a cost table they first decide, from
+earlier rounds only, whether the drafter's block, a suffix match over the text so far (`drafter.suffix_drafting`)
+or no draft at all (a plain decoding step) gives the most expected tokens per second; the drafter then runs only
+in the rounds that use it and catches up on the context rows it skipped in one pass. The user's logits processors
+are applied exactly once to each draft slot, with the same context the target's slot will see during
+verification, and the processed logits are returned so that the verifier uses the very distribution the tokens
+were sampled from (one-hot for a suffix proposal).
 """
 
 from __future__ import annotations
@@ -18,12 +21,20 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..models.common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, DraftContextCache, DraftPreTrainedModel, drafter_type
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
-from ..scheduling.draft_length import ThroughputDraftLength
+from ..scheduling.draft_length import (
+    DRAFTER,
+    NO_DRAFT,
+    SUFFIX,
+    ProposalStatistics,
+    RoundPlanner,
+    ThroughputDraftLength,
+)
 from .stats import SpeculativeStats
+from .suffix import SuffixIndex
 
 
 class DraftCandidateGenerator(CandidateGenerator):
-    """Shared bookkeeping: which target rows the drafter has consumed, the draft budget, token choice."""
+    """Shared bookkeeping: which target rows the drafter has consumed, the round's proposer, token choice."""
 
     requires_model_outputs = True
 
@@ -40,8 +51,17 @@ class DraftCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides = {"output_hidden_states": drafter.target_hidden_state_indices}
         self.cache = DraftContextCache()
         self.context_length = 0  # sequence positions whose target features are in the drafter cache
+        self.observed_length = 0  # sequence positions whose target features were taken from a target forward
+        self._pending: list[torch.Tensor] = []  # features of positions context_length..observed_length
         self.stats = SpeculativeStats()
         self._round_confidences: list[float] = []
+        self._round_source = NO_DRAFT
+        self._watched: list[tuple[int, list[int], int]] = []  # suffix proposals not yet scored
+        self.suffix = SuffixIndex() if drafter.suffix_drafting else None
+        if drafter.proposal_statistics is None:
+            drafter.proposal_statistics = ProposalStatistics()  # kept on the drafter: later calls start from it
+        self.planner = RoundPlanner(drafter.verification_costs, drafter_has_confidences(drafter),
+                                    drafter.proposal_statistics)
 
     # -- protocol ---------------------------------------------------------------------------------------------
 
@@ -57,36 +77,84 @@ class DraftCandidateGenerator(CandidateGenerator):
         """Return (input_ids followed by k drafted tokens, processed draft logits (1, k, V)); k may be 0."""
         if is_first_iteration or model_outputs is None:
             return input_ids, None
-        features = self._new_context_features(input_ids, model_outputs)
+        self._observe(input_ids, model_outputs)
         budget = min(self.drafter.draft_length(), self.max_length - input_ids.shape[1] - 1)
-        self._round_confidences = []
+        self._round_confidences, self._round_source = [], NO_DRAFT
         if budget <= 0:
-            self._consume_context_only(input_ids, features)
             return input_ids, None
+        proposal, match = self.suffix.propose(budget) if self.suffix is not None else ([], 0)
+        if proposal:
+            self._watched.append((len(self.suffix.tokens), proposal, match))
+        started = time.perf_counter()
+        source, length = self.planner.choose(proposal, match)
+        self.stats.add_seconds("planning", time.perf_counter() - started)
+        if source == SUFFIX:
+            self._round_source = SUFFIX
+            return self._suffix_candidates(input_ids, proposal[:length])
+        if source == NO_DRAFT:
+            return input_ids, None
+        self._round_source = DRAFTER
+        features = torch.cat(self._pending, dim=1)
+        self._pending = []
+        self.context_length = self.observed_length
         tokens, logits = self._draft(input_ids, features, budget)
+        self.planner.record_drafter(self._round_confidences)
         if tokens.shape[1] == 0:
             return input_ids, None
         return torch.cat([input_ids, tokens], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         """Called after verification: records the round (the draft length is the slots verified)."""
-        self.stats.record(scores.shape[1] - 1, int(num_matches), self._round_confidences)
+        draft_length = scores.shape[1] - 1
+        if self._round_source == DRAFTER:
+            self.planner.record_drafter_accepted(int(num_matches), draft_length)
+        self.stats.record(draft_length, int(num_matches), self._round_confidences, self._round_source)
+
+    def extend_text(self, new_tokens: torch.LongTensor) -> None:
+        """Tell the suffix index about tokens appended to the sequence (the prompt, then each round's output), and
+        score the suffix proposals made so far against the text that followed them."""
+        if self.suffix is None:
+            return
+        self.suffix.extend(new_tokens[0].tolist())
+        text, still_open = self.suffix.tokens, []
+        for start, proposal, match in self._watched:
+            seen = text[start : start + len(proposal)]
+            matched = 0
+            while matched < len(seen) and seen[matched] == proposal[matched]:
+                matched += 1
+            if matched < len(seen) or len(seen) == len(proposal):
+                # What verifying the proposal would have accepted: every round scores the suffix drafter, chosen
+                # or not, so its statistics never starve while plain steps or the drafter are preferred.
+                self.drafter.proposal_statistics.suffix.record(match, len(proposal), matched)
+            else:
+                still_open.append((start, proposal, match))
+        self._watched = still_open
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
-    def _new_context_features(self, input_ids: torch.LongTensor, model_outputs) -> torch.Tensor:
-        """Concatenated target features of the positions accepted since the last round (all before the anchor)."""
+    def _observe(self, input_ids: torch.LongTensor, model_outputs) -> None:
+        """Keep the target features of the positions committed by the last forward (all before the anchor)."""
         anchor_position = input_ids.shape[1] - 1
-        new_rows = anchor_position - self.context_length
+        new_rows = anchor_position - self.observed_length
         hidden_states = model_outputs.hidden_states
-        features = torch.cat([hidden_states[i] for i in self.drafter.target_hidden_state_indices], dim=-1)
-        if new_rows < 1 or features.shape[1] < new_rows:
+        width = hidden_states[self.drafter.target_hidden_state_indices[0]].shape[1]
+        if new_rows < 1 or width < new_rows:
             raise RuntimeError(
-                f"drafter context is out of step with the sequence: {self.context_length} rows consumed, anchor at "
-                f"{anchor_position}, {features.shape[1]} new target rows"
+                f"drafter context is out of step with the sequence: {self.observed_length} rows observed, anchor at "
+                f"{anchor_position}, {width} new target rows"
             )
-        self.context_length = anchor_position
-        return features[:, :new_rows]
+        features = torch.cat([hidden_states[i][:, :new_rows] for i in self.drafter.target_hidden_state_indices], dim=-1)
+        self._pending.append(features)
+        self.observed_length = anchor_position
+
+    def _suffix_candidates(self, input_ids, proposal: list[int]):
+        """A suffix proposal as drafts: each slot's draft distribution is the point mass on its token (greedy
+        verification compares tokens; sampling accepts x with probability min(1, p(x)))."""
+        tokens = torch.tensor([proposal], dtype=input_ids.dtype, device=input_ids.device)
+        vocab = self.drafter.config.vocab_size
+        logits = torch.full((1, len(proposal), vocab), float("-inf"), device=input_ids.device)
+        logits.scatter_(-1, tokens[..., None], 0.0)
+        return torch.cat([input_ids, tokens], dim=-1), logits
 
     def _choose(self, logits: torch.Tensor, context_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
         """Apply the processors once, then pick the draft token from the processed distribution."""
@@ -100,8 +168,9 @@ class DraftCandidateGenerator(CandidateGenerator):
     def _draft(self, input_ids, features, budget):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _consume_context_only(self, input_ids, features) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+
+def drafter_has_confidences(drafter) -> bool:
+    return getattr(drafter, "confidence_proj", None) is not None
 
 
 class DSparkCandidateGenerator(DraftCandidateGenerator):
@@ -114,9 +183,6 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
         anchor = input_ids[:, -1:]
         block = torch.cat([anchor, anchor.new_full((1, config.block_size - 1), config.mask_token_id)], dim=-1)
         return self.drafter(input_ids=block, target_hidden_states=features, cache=self.cache)
-
-    def _consume_context_only(self, input_ids, features) -> None:
-        self._backbone(input_ids, features)
 
     def _draft(self, input_ids, features, budget):
         started = time.perf_counter()
@@ -167,9 +233,6 @@ class Eagle3CandidateGenerator(DraftCandidateGenerator):
         first_row = self.context_length - features.shape[1]
         next_tokens = input_ids[:, first_row + 1 : self.context_length + 1]
         return self.drafter(input_ids=next_tokens, target_hidden_states=features, cache=self.cache)
-
-    def _consume_context_only(self, input_ids, features) -> None:
-        self._context_pass(input_ids, features)
 
     def _draft(self, input_ids, features, budget):
         started = time.perf_counter()

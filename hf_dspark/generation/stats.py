@@ -12,22 +12,43 @@ class SpeculativeStats:
     ``draft_lengths[i]`` tokens were proposed in round i and ``accepted[i]`` of them were accepted by the
     verifier; every round also emits one target token (the correction or the bonus token).
     ``confidences[i]`` holds the drafter's conditional confidence per drafted slot when it has a confidence head.
+    ``sources[i]`` says what proposed round i's drafts: ``"drafter"``, ``"suffix"`` (a suffix match over the text
+    so far) or ``"none"`` (no drafts: a plain decoding step).
     """
 
     draft_lengths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     confidences: list[list[float]] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     """Wall time per phase summed over rounds: `verification` (target forwards), `backbone` (DSpark/DFlash
-    parallel pass), `sequential_head` (slot-by-slot head, confidence and sampling), `drafting` (Eagle3 steps)."""
+    parallel pass), `sequential_head` (slot-by-slot head, confidence and sampling), `drafting` (Eagle3 steps), `planning` (choosing
+    the round's proposer)."""
+
+    def __post_init__(self):
+        if len(self.sources) != len(self.draft_lengths):  # records written before sources were kept
+            self.sources = ["drafter" if d > 0 else "none" for d in self.draft_lengths]
 
     def add_seconds(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
-    def record(self, draft_length: int, accepted: int, confidences: list[float] | None = None) -> None:
+    def record(self, draft_length: int, accepted: int, confidences: list[float] | None = None,
+               source: str = "drafter") -> None:
         self.draft_lengths.append(int(draft_length))
         self.accepted.append(int(accepted))
         self.confidences.append(list(confidences or []))
+        self.sources.append(source if draft_length > 0 else "none")
+
+    def only(self, source: str) -> "SpeculativeStats":
+        """The rounds whose drafts came from `source` (e.g. the drafter's alone, to measure it without suffix
+        drafting and plain steps)."""
+        keep = [i for i, s in enumerate(self.sources) if s == source]
+        return SpeculativeStats([self.draft_lengths[i] for i in keep], [self.accepted[i] for i in keep],
+                                [self.confidences[i] for i in keep], [source] * len(keep))
+
+    def count(self, source: str) -> int:
+        """Rounds whose drafts came from `source`."""
+        return sum(s == source for s in self.sources)
 
     @property
     def num_rounds(self) -> int:
@@ -62,5 +83,6 @@ class SpeculativeStats:
             self.draft_lengths + other.draft_lengths,
             self.accepted + other.accepted,
             self.confidences + other.confidences,
+            self.sources + other.sources,
             seconds,
         )

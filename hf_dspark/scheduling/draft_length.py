@@ -13,6 +13,8 @@ distribution is untouched: it only changes how many drafts are verified.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from .cost_table import VerificationCostTable
 
 
@@ -34,3 +36,120 @@ class ThroughputDraftLength:
             return False
         self.expected, self.rate, self.length = expected, rate, self.length + 1
         return True
+
+
+DRAFTER, SUFFIX, NO_DRAFT = "drafter", "suffix", "none"
+
+
+class RoundPlanner:
+    """Which proposal a batch-1 round verifies, decided before drafting from earlier rounds only.
+
+    Candidates, each priced as expected tokens per second of its round:
+
+    * no draft (a plain decoding step): 1 token for a one-token forward;
+    * a suffix proposal of m tokens (`SuffixIndex`): `SuffixAcceptance.expected_tokens(n, m)` for a forward over
+      m + 1 tokens, with the best m up to the proposal's length;
+    * the drafter's block: the expected tokens of its recent rounds (from their confidences,
+      1 + c_1 + c_1 c_2 + ... over the slots it verified, or from their accepted counts without a confidence head)
+      for the drafting cost plus a forward over those slots + 1.
+
+    Costs come from the `VerificationCostTable`; without one every forward costs the same and drafting nothing (a
+    GPU-like machine), so the drafter or a suffix proposal always beats a plain step. A drafter that has not run
+    for `probe_every` rounds runs once to refresh its estimate. Whatever is chosen, the verifier's rule keeps the
+    output exactly the target's: the choice depends on earlier rounds, never on this round's drafts.
+    """
+
+    def __init__(self, cost_table: VerificationCostTable | None, has_confidences: bool, statistics: "ProposalStatistics",
+                 probe_every: int = 16, smoothing: float = 0.5):
+        self.cost_table, self.has_confidences, self.statistics = cost_table, has_confidences, statistics
+        self.probe_every, self.smoothing = probe_every, smoothing
+        self.rounds_without_drafter = 0
+
+    def forward_seconds(self, num_tokens: int) -> float:
+        if self.cost_table is None:
+            return 1.0
+        return self.cost_table.padded_round_seconds(num_tokens) - self.cost_table.draft_seconds
+
+    def drafter_rate(self) -> float:
+        expected = self.statistics.drafter_expected
+        if expected is None:
+            return float("inf")  # never measured: run it
+        draft_seconds = self.cost_table.draft_seconds if self.cost_table is not None else 0.0
+        return expected / (draft_seconds + self.forward_seconds(self.statistics.drafter_tokens))
+
+    def choose(self, proposal: list[int], match_length: int) -> tuple[str, int]:
+        """(DRAFTER | SUFFIX | NO_DRAFT, suffix tokens to verify)."""
+        best, source, length = 1.0 / self.forward_seconds(1), NO_DRAFT, 0
+        if self.cost_table is None:
+            best = 0.0  # flat costs: any proposal is worth verifying
+        for m in range(1, len(proposal) + 1):
+            rate = self.statistics.suffix.expected_tokens(match_length, m) / self.forward_seconds(m + 1)
+            if rate > best:
+                best, source, length = rate, SUFFIX, m
+        if self.drafter_rate() > best or self.rounds_without_drafter + 1 >= self.probe_every:
+            source, length = DRAFTER, 0
+        self.rounds_without_drafter = 0 if source == DRAFTER else self.rounds_without_drafter + 1
+        return source, length
+
+    def record_drafter(self, confidences: list[float]) -> None:
+        """A drafter round drafted with these conditional confidences (empty without a confidence head)."""
+        if self.has_confidences:
+            survival, expected = 1.0, 1.0
+            for confidence in confidences:
+                survival *= confidence
+                expected += survival
+            self._smooth(expected, len(confidences) + 1)
+
+    def record_drafter_accepted(self, num_accepted: int, num_drafted: int) -> None:
+        """Without a confidence head the drafter is priced by what its rounds actually emitted."""
+        if not self.has_confidences:
+            self._smooth(1.0 + num_accepted, num_drafted + 1)
+
+    def _smooth(self, expected: float, num_tokens: int) -> None:
+        statistics = self.statistics
+        statistics.drafter_tokens = num_tokens
+        if statistics.drafter_expected is None:
+            statistics.drafter_expected = expected
+        else:
+            statistics.drafter_expected += self.smoothing * (expected - statistics.drafter_expected)
+
+
+@dataclass
+class SuffixAcceptance:
+    """Accepted / reached counts of proposed suffix tokens per match length, with a Beta(prior) start.
+
+    `rate(n)` is the estimated probability that a proposed token is accepted given that the tokens before it in
+    the same proposal were; `expected_tokens(n, m)` the expected tokens a round verifying m proposed tokens emits
+    (the target's own token included). Statistics only steer which drafts are verified, never what is emitted.
+    """
+
+    prior_accepted: float = 1.0
+    prior_rejected: float = 2.0
+    accepted: dict[int, float] = field(default_factory=dict)
+    reached: dict[int, float] = field(default_factory=dict)
+
+    def rate(self, match_length: int) -> float:
+        accepted = self.accepted.get(match_length, 0.0) + self.prior_accepted
+        reached = self.reached.get(match_length, 0.0) + self.prior_accepted + self.prior_rejected
+        return accepted / reached
+
+    def expected_tokens(self, match_length: int, num_tokens: int) -> float:
+        rate = self.rate(match_length)
+        return 1.0 + sum(rate**j for j in range(1, num_tokens + 1))
+
+    def record(self, match_length: int, proposed: int, accepted: int) -> None:
+        """A round verified `proposed` suffix tokens and accepted the first `accepted` of them."""
+        reached = min(accepted + 1, proposed)  # the first rejected token was reached too
+        self.accepted[match_length] = self.accepted.get(match_length, 0.0) + accepted
+        self.reached[match_length] = self.reached.get(match_length, 0.0) + reached
+
+
+@dataclass
+class ProposalStatistics:
+    """What earlier rounds taught about each proposer, kept on the drafter (`drafter.proposal_statistics`) so that
+    later `generate()` calls start from it: suffix acceptance per match length, and the drafter's smoothed expected
+    tokens per round with the forward size of its latest round."""
+
+    suffix: SuffixAcceptance = field(default_factory=SuffixAcceptance)
+    drafter_expected: float | None = None
+    drafter_tokens: int = 1

