@@ -248,3 +248,33 @@ def last_three_of_six(target, prompt, temperature, top_p) -> torch.Tensor:
             step = warpers(contexts, target(contexts).logits[:, -1]).softmax(-1)  # (N, V)
             probs = (probs[:, None] * step).reshape(-1)
     return probs.reshape(vocab ** 3, vocab, vocab, vocab).sum(0)
+
+
+@pytest.mark.parametrize("seconds", [
+    [5.0, 4.0, 3.0, 2.0, 1.0],  # falling: the old straight line reached 0 s at B = 6 (ZeroDivisionError)
+    [1.0 + 0.002 * (-1) ** i - 0.001 * i for i in range(8)],  # noisy flat GPU profile: negative at B = 400
+    [1.0, 1.2, 1.1, 1.3, 1.25, 1.4, 1.35, 1.5],  # rising with noise
+    [2.0],
+])
+def test_cost_extrapolation_never_falls_below_the_largest_measured_cost(seconds):
+    table = VerificationCostTable(seconds, draft_seconds=0.25)
+    beyond = [table.round_seconds(n) for n in range(table.max_tokens + 1, 1000, 7)]
+    assert min(beyond) >= max(seconds) + 0.25
+    assert all(b <= a for a, b in zip(beyond[1:], beyond))  # monotone: more tokens never cost less
+    assert all(0 < table.steps_per_second(n) <= 1 / (max(seconds) + 0.25) for n in range(len(seconds) + 1, 500))
+    if seconds[-1] > seconds[0]:  # a rising table keeps rising past its end
+        assert beyond[-1] > beyond[0]
+    # The scheduler's choice at a large batch is defined (no zero or negative price of a round).
+    scheduler = DSparkScheduler(table)
+    lengths = scheduler.select_lengths(torch.full((400, 4), 0.9))
+    assert lengths.shape == (400,) and bool((lengths >= 0).all())
+
+
+def test_cost_table_refuses_impossible_times():
+    for bad in ([], [0.0], [1.0, -1.0], [1.0, float("nan")], [float("inf")], ["fast"]):
+        with pytest.raises(ValueError, match="positive, finite time"):
+            VerificationCostTable(bad)
+    with pytest.raises(ValueError, match="draft_seconds"):
+        VerificationCostTable([1.0], draft_seconds=-0.5)
+    with pytest.raises(ValueError, match="at least 1 token"):
+        VerificationCostTable([1.0]).round_seconds(0)
