@@ -327,3 +327,94 @@ def test_two_steps_ago_skips_drafting_while_the_known_budget_is_zero():
     assert 2 <= blocks < rounds  # the first two rounds draft (no history yet), then mostly not
     assert blocks >= 2 + (rounds - 2) // 4  # probing rounds keep the confidences current
     assert all(total == 3 for total in out.verified_tokens_per_round[2:])  # no draft verified: one token per row
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad requests never cost the good ones
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_engine_refuses_bad_token_ids_at_submit_and_keeps_the_others():
+    """The probe of issue 16: an out-of-vocabulary request admitted beside a good one used to raise inside
+    `step()` and lose the good one. It is refused at `submit`, and the good request returns its plain greedy."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    prompt_list = prompts(2)
+    expected = plain_greedy(target, prompt_list)
+    engine = batched.SpeculativeEngine(target, drafter, policy="all")
+    first = engine.submit(prompt_list[0][0], MAX_NEW)
+    engine.step()
+    second = engine.submit(prompt_list[1][0], MAX_NEW)
+    for bad, match in [(torch.tensor([5, 7, VOCAB + 404]), "outside the target's vocabulary"),
+                       (torch.tensor([5, -1, 7]), "outside the target's vocabulary"),
+                       (torch.tensor([5.0, 7.9]), "integer token ids"),
+                       (torch.tensor([True, False]), "integer token ids"),
+                       (torch.zeros(0, dtype=torch.long), "non-empty"),
+                       (torch.ones(2, 3, dtype=torch.long), "non-empty prompt of shape")]:
+        with pytest.raises(ValueError, match=match):
+            engine.submit(bad, MAX_NEW)
+    assert engine.num_waiting == 1 and engine.num_running == 1
+    outputs = engine.run_until_done()
+    assert sorted(outputs) == [first, second]
+    assert torch.equal(outputs[first], expected[0]) and torch.equal(outputs[second], expected[1])
+
+
+@pytest.mark.parametrize("where", ["admission", "round"])
+def test_a_failing_step_is_undone_and_the_engine_resumes(monkeypatch, where):
+    """A step that raises after changing caches (here: right after a target forward appended to the shared cache)
+    leaves every request as before the step; after `cancel()` of the culprit, the others equal plain greedy."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    prompt_list = prompts(4)
+    references = [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW + 8)[0] for p in prompt_list]
+    use_oracle(monkeypatch, references, block_size=4)  # accepted drafts: the caches really change every round
+    engine = batched.SpeculativeEngine(target, drafter, policy="all")
+    ids = [engine.submit(prompt_list[i][0], MAX_NEW) for i in range(2)]
+    engine.step()
+    engine.step()
+    ids += [engine.submit(prompt_list[i][0], MAX_NEW) for i in range(2, 4)]
+    culprit = ids[3]
+    original = batched._target_forward
+    calls = []
+    failing_call = 0 if where == "admission" else 1  # a step prefills the newcomers, then verifies every row
+
+    def failing_forward(target_model, rows, *args, **kwargs):
+        out = original(target_model, rows, *args, **kwargs)  # the cache has grown by now
+        calls.append(rows.request.tolist())
+        if len(calls) == failing_call + 1:
+            raise RuntimeError("simulated failure")
+        return out
+
+    monkeypatch.setattr(batched, "_target_forward", failing_forward)
+    running = {r: engine._requests[r].tokens.copy() for r in ids}
+    width = engine._rows.target_valid.shape[1]
+    with pytest.raises(RuntimeError, match="simulated failure") as raised:
+        engine.step()
+    assert "cancel(request_id)" in "".join(getattr(raised.value, "__notes__", ["cancel(request_id)"]))
+    assert culprit in calls[-1] and engine.num_waiting == 2 and engine.num_running == 2
+    assert engine._rows.target_valid.shape[1] == width
+    assert all(layer.keys.shape[2] == width for layer in engine._rows.target_cache.layers)
+    assert {r: engine._requests[r].tokens for r in ids} == running
+    assert torch.equal(engine.cancel(culprit), prompt_list[3][0])
+    outputs = engine.run_until_done()
+    assert sorted(outputs) == ids[:3]
+    for request, index in zip(ids[:3], range(3)):
+        assert torch.equal(outputs[request], references[index][: prompt_list[index].shape[1] + MAX_NEW])
+    assert all(s.num_rounds == len(s.accepted) == len(s.draft_lengths) for s in engine.stats.values())
+
+
+def test_cancel_a_running_request_keeps_the_others():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    prompt_list = prompts(3)
+    expected = plain_greedy(target, prompt_list)
+    engine = batched.SpeculativeEngine(target, drafter, policy="all")
+    ids = [engine.submit(p[0], MAX_NEW) for p in prompt_list]
+    engine.step()
+    partial = engine.cancel(ids[1])
+    assert torch.equal(partial, expected[1][: partial.shape[0]]) and partial.shape[0] > prompt_list[1].shape[1]
+    with pytest.raises(KeyError, match="no request"):
+        engine.cancel(ids[1])
+    outputs = engine.run_until_done()
+    assert sorted(outputs) == [ids[0], ids[2]]
+    assert torch.equal(outputs[ids[0]], expected[0]) and torch.equal(outputs[ids[2]], expected[2])
