@@ -10,12 +10,14 @@ from .generation import SpeculativeDecoderOnlyOutput, SpeculativeStats, greedy_v
 from .generation.integration import install_generate_hooks
 from .models import (
     DraftContextCache,
+    DrafterLoadError,
     DrafterTargetMismatchError,
     DraftPreTrainedModel,
     DSparkDraftConfig,
     DSparkDraftModel,
     Eagle3DraftConfig,
     Eagle3DraftModel,
+    UserInputError,
 )
 from .models.default_target import default_target_dir, load_default_target
 from .scheduling import DSparkScheduler, VerificationCostTable
@@ -40,6 +42,7 @@ def build_dflash_config(target_config, **overrides) -> DSparkDraftConfig:
 
 __all__ = [
     "DraftContextCache",
+    "DrafterLoadError",
     "DrafterTargetMismatchError",
     "DraftPreTrainedModel",
     "DSparkDraftConfig",
@@ -55,4 +58,5 @@ __all__ = [
     "greedy_verify",
     "load_default_target",
     "rejection_sample",
+    "UserInputError",
 ]

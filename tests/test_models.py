@@ -279,3 +279,100 @@ def test_model_card_renders_valid_metadata_and_the_config():
     assert front["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and front["library_name"] == "transformers"
     assert "dspark" in front["tags"] and front["datasets"] == ["some/dataset"]
     assert "hf-dspark train --kind dspark" in card and "draft vocabulary of the 24" in card
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading refuses what would change the drafter's outputs, naming the file and the field
+# ---------------------------------------------------------------------------------------------------------
+
+
+def saved_copy(source, folder, edit=None, weights: bytes | None = None):
+    folder.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    if edit is not None:
+        edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(weights if weights is not None else
+                                               (source / "model.safetensors").read_bytes())
+    return folder
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    target = tiny_target("llama")
+    tiny_drafter(target, "markov").save_pretrained(tmp_path / "good")
+    half = (tmp_path / "good" / "model.safetensors").read_bytes()
+    corrupt = saved_copy(tmp_path / "good", tmp_path / "corrupt", weights=half[: len(half) // 2])
+    for load in (AutoModel.from_pretrained, DSparkDraftModel.from_pretrained):
+        with pytest.raises(hf_dspark.DrafterLoadError, match=f"{corrupt / 'model.safetensors'}.*truncated"):
+            load(corrupt)
+
+
+def test_a_drafter_folder_of_another_architecture_is_refused(tmp_path):
+    target = tiny_target("llama")
+    tiny_drafter(target, "markov").save_pretrained(tmp_path / "good")
+    llama = saved_copy(tmp_path / "good", tmp_path / "llama", lambda c: c.update(model_type="llama"))
+    with pytest.raises(hf_dspark.DrafterLoadError, match=r"config.json has model_type 'llama'.*not an hf_dspark"):
+        DSparkDraftModel.from_pretrained(llama)
+    tiny_drafter(target, "eagle3").save_pretrained(tmp_path / "eagle3")
+    with pytest.raises(hf_dspark.DrafterLoadError, match="'eagle3_draft', but DSparkDraftModel is 'dspark'"):
+        DSparkDraftModel.from_pretrained(tmp_path / "eagle3")
+
+    from hf_dspark.models.loading import load_drafter
+
+    with pytest.raises(hf_dspark.UserInputError, match="model_type 'llama', so .* is not an hf_dspark drafter"):
+        load_drafter(llama, torch.float32)
+    target.save_pretrained(tmp_path / "target")  # the classic swap: the target folder given as the drafter
+    with pytest.raises(hf_dspark.UserInputError, match="not an hf_dspark drafter"):
+        load_drafter(tmp_path / "target", torch.float32)
+
+
+@pytest.mark.parametrize("kind,field", [("markov", "rope_parameters"), ("markov", "mask_token_id"),
+                                        ("dflash", "mask_token_id"), ("eagle3", "rope_parameters")])
+def test_missing_fields_that_change_outputs_are_refused(tmp_path, kind, field):
+    """Stock loading fills a missing rope_parameters or mask_token_id with a default, and the drafter proposes
+    other tokens (still lossless, but tau changed from 1.70 to 1.95 in the probe): refused, naming file and field."""
+    target = tiny_target("llama", rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, pad_token_id=5)
+    tiny_drafter(target, kind).save_pretrained(tmp_path / "good")
+    broken = saved_copy(tmp_path / "good", tmp_path / "broken", lambda c: c.pop(field))
+    for load in (AutoModel.from_pretrained, type(AutoModel.from_pretrained(tmp_path / "good")).from_pretrained):
+        with pytest.raises(hf_dspark.DrafterLoadError, match=f"{broken / 'config.json'} has no '{field}'"):
+            load(broken)
+    if field == "rope_parameters":  # a transformers-4 style rope_theta is named, not silently ignored
+        legacy = saved_copy(tmp_path / "good", tmp_path / "legacy",
+                            lambda c: c.update(rope_theta=c.pop("rope_parameters")["rope_theta"]))
+        with pytest.raises(hf_dspark.DrafterLoadError, match="old field rope_theta=500000.0: move it into"):
+            AutoModel.from_pretrained(legacy)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_shipped_checkpoints_carry_every_required_field_and_load(kind):
+    folder = os.path.join(os.path.dirname(__file__), "..", "checkpoints", f"{kind}-smollm2-135m-instruct")
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    drafter = AutoModel.from_pretrained(folder)
+    for field in type(drafter.config).required_saved_fields:
+        assert config[field] is not None and getattr(drafter.config, field) == config[field]
+
+
+def test_num_draft_tokens_follows_one_rule(tmp_path):
+    """More drafts than block_size crashed at batch 1 and were clamped silently in a batch, and 0 meant block_size:
+    both paths now refuse anything outside 1..block_size when it is set."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    for bad in (0, -1, 5, 2.5, True):
+        with pytest.raises(ValueError, match=r"num_draft_tokens must be an int from 1 to the drafter's block_size \(4\)"):
+            drafter.num_draft_tokens = bad
+    assert drafter.num_draft_tokens is None and drafter.draft_length() == 4
+    ids = prompts(1, length=6)[0]
+    expected = target.generate(ids, do_sample=False, max_new_tokens=12)
+    for length in (1, 4):
+        drafter.num_draft_tokens = length
+        assert drafter.draft_length() == length
+        out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12)
+        assert torch.equal(out, expected)
+        assert max(drafter.last_generation_stats.draft_lengths) <= length
+    drafter.config.block_size = 2  # a length that stopped fitting is refused on use too, not clamped
+    with pytest.raises(ValueError, match="block_size \\(2\\)"):
+        drafter.draft_length()
+    eagle = tiny_drafter(target, "eagle3", block_size=3)
+    with pytest.raises(ValueError, match="block_size \\(3\\)"):
+        eagle.num_draft_tokens = 4

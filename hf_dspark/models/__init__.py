@@ -1,4 +1,4 @@
-from .common import DraftContextCache, DrafterTargetMismatchError, DraftPreTrainedModel
+from .common import DraftContextCache, DrafterLoadError, DrafterTargetMismatchError, DraftPreTrainedModel, UserInputError
 from .configuration_dspark import DSparkDraftConfig
 from .configuration_eagle3 import Eagle3DraftConfig
 from .modeling_dspark import DSparkDraftModel, DSparkDraftOutput
@@ -6,6 +6,7 @@ from .modeling_eagle3 import Eagle3DraftModel, Eagle3DraftOutput
 
 __all__ = [
     "DraftContextCache",
+    "DrafterLoadError",
     "DrafterTargetMismatchError",
     "DraftPreTrainedModel",
     "DSparkDraftConfig",
@@ -14,4 +15,5 @@ __all__ = [
     "Eagle3DraftConfig",
     "Eagle3DraftModel",
     "Eagle3DraftOutput",
+    "UserInputError",
 ]
