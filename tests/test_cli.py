@@ -93,3 +93,87 @@ def test_profile_writes_a_cost_table_generate_can_use(saved_pair, tmp_path, caps
     assert table.max_tokens == 6 and table.draft_seconds > 0 and "SPS" in capsys.readouterr().out
     assert main(["generate", "Hello", "--target", str(saved_pair / "target"), "--drafter",
                  str(saved_pair / "drafter"), "--max-new-tokens", "6", "--cost-table", str(table_path)]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mistakes a user can fix: one line on stderr naming the problem and the fix, exit code 2, no traceback
+# ---------------------------------------------------------------------------------------------------------
+
+
+def refused(capsys, argv: list[str], *needles: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and line.startswith(f"hf-dspark {argv[0]}: ")
+    assert sum(text.startswith("hf-dspark ") for text in err.splitlines()) == 1  # one line says it all
+    for needle in needles:
+        assert needle in line, line
+    return line
+
+
+@pytest.mark.parametrize("command", [
+    ["generate", "hi"],
+    ["regenerate", "--prompts", "none.jsonl", "--output", "unused"],
+    ["eval", "--output", "unused"],
+])
+def test_negative_temperature_is_refused_by_every_command(capsys, command):
+    """generate and regenerate ran greedy silently (recording -1 in the manifest); eval failed with a traceback."""
+    refused(capsys, command + ["--temperature", "-1"], "--temperature must be >= 0", "got -1.0")
+
+
+def test_impossible_flags_are_refused_before_any_model_loads(capsys, monkeypatch):
+    import hf_dspark.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_target", lambda *a, **k: pytest.fail("loaded a model"))
+    refused(capsys, ["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1", "got 0")
+    refused(capsys, ["generate", "hi", "--temperature", "0.7", "--top-p", "0"], "--top-p must be in (0, 1]")
+    refused(capsys, ["bench", "--temperatures", "0", "-0.5"], "--temperatures must all be >= 0", "got 0.0 -0.5")
+    refused(capsys, ["regenerate", "--output", "x", "--batch-size", "0"], "--batch-size must be at least 1")
+
+
+def test_missing_and_wrong_model_folders_are_one_line(saved_pair, capsys, tmp_path):
+    target, drafter = str(saved_pair / "target"), str(saved_pair / "drafter")
+    missing = str(tmp_path / "no-such-drafter")
+    refused(capsys, ["generate", "hi", "--target", target, "--drafter", missing],
+            f"no drafter at {missing}: no such folder", "save_pretrained()")
+    refused(capsys, ["generate", "hi", "--target", str(tmp_path / "gone"), "--drafter", drafter],
+            "no target at", "no such folder")
+    refused(capsys, ["generate", "hi", "--target", target, "--drafter", target],  # the target given as the drafter
+            "model_type 'llama'", "is not an hf_dspark drafter", "--target")
+    refused(capsys, ["generate", "hi", "--target", drafter, "--drafter", drafter], "holds an hf_dspark drafter")
+    (tmp_path / "empty").mkdir()
+    refused(capsys, ["generate", "hi", "--target", target, "--drafter", str(tmp_path / "empty")], "no config.json")
+    refused(capsys, ["eval", "--target", target, "--drafter", missing, "--benchmarks", "gsm8k", "--output",
+                     str(tmp_path / "out")], "no drafter at")
+
+
+def test_a_drafter_for_another_target_is_one_line(saved_pair, capsys, tmp_path):
+    from conftest import tiny_target
+
+    other = tiny_target("llama", vocab_size=600)
+    tiny_drafter(other, "markov", block_size=4).save_pretrained(tmp_path / "other-drafter")
+    refused(capsys, ["generate", "hi", "--target", str(saved_pair / "target"), "--drafter",
+                     str(tmp_path / "other-drafter")], "hidden_size (64) differs", "trained for this target")
+
+
+def test_train_data_mistakes_are_one_line(saved_pair, capsys, tmp_path):
+    base = ["train", "--target", str(saved_pair / "target"), "--output", str(tmp_path / "out"), "--max-steps", "1",
+            "--block-size", "4", "--num-layers", "1"]
+    refused(capsys, base, "no training data", "--data DIR")
+    refused(capsys, base + ["--data", str(tmp_path / "nothing")], "no such folder", "hf-dspark regenerate")
+    (tmp_path / "empty").mkdir()
+    refused(capsys, base + ["--data", str(tmp_path / "empty")], "no usable regenerated examples")
+    refused(capsys, base + ["--cache", str(tmp_path / "empty")], "is not a target cache", "hf-dspark cache")
+    refused(capsys, base + ["--init-from", str(tmp_path / "nothing"), "--data", str(tmp_path / "empty")],
+            "no drafter at")
+
+
+def test_real_bugs_keep_their_traceback(saved_pair, monkeypatch):
+    import hf_dspark.cli.main as cli
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug, not a mistake of the user")
+
+    monkeypatch.setattr(cli, "load_target", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["train", "--target", str(saved_pair / "target"), "--output", "unused"])

@@ -223,3 +223,35 @@ def test_convert_cli_explains_a_refusal(tmp_path, capsys):
     tiny_drafter(llama, "markov").save_pretrained(tmp_path / "llama-drafter")
     assert main(["convert", str(tmp_path / "llama-drafter"), str(tmp_path / "out")]) == 2
     assert "q/k RMSNorm" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fields", [{"sample_from_anchor": 0}, {"sample_from_anchor": "false"},
+                                    {"sample_from_anchor": "False"}, {"dflash_config": {"sample_from_anchor": "0"}},
+                                    {"dspark_bonus_anchor": 1}, {"dspark_bonus_anchor": "true"},
+                                    {"speculators_model_type": "dflash", "sample_from_anchor": "false"}])
+def test_slot_convention_flags_are_read_however_they_are_written(qwen3, tmp_path, fields):
+    config, weights = published_layout(qwen3)
+    with pytest.raises(SlotConventionError, match=r"anchor \+ k \+ 1"):
+        import_deepspec(write_checkpoint(tmp_path / "c", config | fields, weights))
+
+
+def test_slot_convention_flag_that_is_not_a_boolean_is_refused_and_true_passes(qwen3, tmp_path):
+    config, weights = published_layout(qwen3)
+    with pytest.raises(SlotConventionError, match="sample_from_anchor='maybe'.*write true or false"):
+        import_deepspec(write_checkpoint(tmp_path / "c", config | {"sample_from_anchor": "maybe"}, weights))
+    for index, value in enumerate([True, 1, "true", "True"]):
+        fields = {"sample_from_anchor": value, "dspark_bonus_anchor": "false", "speculators_model_type": "dspark"}
+        assert import_deepspec(write_checkpoint(tmp_path / f"ok{index}", config | fields, weights)) is not None
+
+
+def test_convert_cli_names_a_config_that_does_not_fit_its_weights(qwen3, tmp_path, capsys):
+    """Three target layers in config.json but an fc fusing two: a one-line refusal naming the field, exit code 2
+    (it was a raw size-mismatch RuntimeError from load_state_dict)."""
+    config, weights = published_layout(qwen3, fused=2)
+    source = write_checkpoint(tmp_path / "deepspec", config | {"target_layer_ids": [0, 1, 2]}, weights)
+    with pytest.raises(ValueError, match=r"fc.weight \(64, 128\) stored, \(64, 192\) for the config.*target_layer_ids"):
+        import_deepspec(source)
+    assert main(["convert", str(source), str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "target_layer_ids" in err and "Traceback" not in err
+    assert not (tmp_path / "ours").exists()

@@ -142,6 +142,41 @@ def test_record_store_refuses_other_settings_and_drops_a_torn_line(tmp_path):
         RecordStore(tmp_path, EvalSettings("t", "float32", {"a": "p"}, 16, 0.0, 1.0, False, 0))
 
 
+def test_a_run_that_failed_before_its_first_record_does_not_block_the_corrected_rerun(tmp_path):
+    """settings.json used to be written before any record, so rerunning a failed run into its folder with the
+    fixed setting was refused ("holds records made with different settings") though the folder held none."""
+    failed = EvalSettings("t", "float32", {"a": "p"}, 8, -1.0, 1.0, False, 0)
+    RecordStore(tmp_path, failed)  # the run dies here (or before its first record)
+    assert not (tmp_path / "settings.json").exists()
+    (tmp_path / "settings.json").write_text(json.dumps(vars(failed)))  # as an older version left the folder
+    (tmp_path / "records.jsonl").write_text('{"method": "plain", "bench')  # torn: nothing was finished
+    fixed = EvalSettings("t", "float32", {"a": "p"}, 8, 0.0, 1.0, False, 0)
+    store = RecordStore(tmp_path, fixed)
+    store.add({"method": "plain", "benchmark": "b", "index": 0, "fingerprint": "x", "turns": []})
+    assert json.loads((tmp_path / "settings.json").read_text())["temperature"] == 0.0  # written with the record
+    assert len(RecordStore(tmp_path, fixed).records) == 1
+    with pytest.raises(SettingsMismatchError, match="temperature: 0.0 there, -1.0 now"):
+        RecordStore(tmp_path, failed)  # once a record exists, other settings are refused as before
+
+
+def test_eval_cli_rerun_after_a_failed_run_into_the_same_folder(saved_models, tmp_path, capsys):
+    from hf_dspark.cli.main import main
+
+    out = tmp_path / "out"
+    command = ["eval", "--target", str(saved_models / "target"), "--drafter", f"dspark={saved_models / 'markov'}",
+               "--benchmarks", "gsm8k", "--max-prompts", "1", "--max-new-tokens", "6", "--no-progress", "--output",
+               str(out)]
+    assert main(command + ["--benchmarks", str(tmp_path / "missing.jsonl")]) == 2  # fails before any record
+    assert main(command + ["--temperature", "-1"]) == 2  # was a traceback after writing settings.json
+    with pytest.raises(ValueError, match="temperature must be >= 0"):  # the Python API refuses it too
+        from hf_dspark.evaluation import evaluate
+
+        evaluate(["gsm8k"], output_dir=out, target=str(saved_models / "target"), drafters=[], temperature=-1)
+    capsys.readouterr()
+    assert main(command) == 0
+    assert len((out / "records.jsonl").read_text().splitlines()) == 2  # plain + dspark, one prompt
+
+
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory, tokenizer):  # noqa: F811
     folder = tmp_path_factory.mktemp("eval-models")

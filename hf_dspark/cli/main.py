@@ -217,9 +217,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def impossible_setting(args) -> str | None:
+    """The first flag whose value cannot work (named with the rule it breaks), checked before any model loads."""
+    rules = [
+        ("temperature", "--temperature", lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
+        ("temperatures", "--temperatures", lambda v: all(t >= 0 for t in v), "must all be >= 0 (0 = greedy)"),
+        ("top_p", "--top-p", lambda v: 0 < v <= 1, "must be in (0, 1] (1 = off)"),
+        ("top_k", "--top-k", lambda v: v >= 0, "must be >= 0 (0 = off)"),
+        ("max_new_tokens", "--max-new-tokens", lambda v: v >= 1, "must be at least 1"),
+        ("batch_size", "--batch-size", lambda v: v >= 1, "must be at least 1"),
+    ]
+    for name, flag, ok, rule in rules:
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            return f"{flag} {rule}, got {' '.join(map(str, value)) if isinstance(value, list) else value}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A mistake the user can fix (an impossible flag, a missing or wrong model folder, a drafter
+    for another target, unusable data) is one line on stderr and exit code 2; real bugs keep their traceback."""
+    from hf_dspark.models.common import UserInputError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    problem = impossible_setting(args)
+    if problem is None:
+        try:
+            return args.func(args)
+        except UserInputError as error:
+            problem = str(error)
+    print(f"hf-dspark {args.command}: {' '.join(problem.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

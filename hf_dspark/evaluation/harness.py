@@ -58,28 +58,32 @@ class EvalSettings:
 
 
 class RecordStore:
-    """`records.jsonl` (one JSON object per finished method x prompt) and the `settings.json` it was made with."""
+    """`records.jsonl` (one JSON object per finished method x prompt) and the `settings.json` it was made with.
+
+    The settings are written with the first record, and a folder that holds no record yet takes any settings: a
+    run that failed before its first record (a wrong flag, a missing file) never blocks its corrected rerun."""
 
     def __init__(self, folder: str | Path, settings: EvalSettings):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / RECORDS
+        self.settings = settings
+        self.records: dict[tuple[str, str, int], dict] = {}
+        self.fingerprints: dict[tuple[str, int], str] = {}
+        if self.path.is_file():
+            self._load()
         settings_path = self.folder / SETTINGS
-        if settings_path.is_file():
+        self._settings_written = False
+        if self.records and settings_path.is_file():
             stored = EvalSettings(**json.loads(settings_path.read_text()))
             differences = settings.differences(stored)
             if differences:
                 raise SettingsMismatchError(
                     f"{self.folder} holds records made with different settings ({'; '.join(differences)}). "
                     "Use another output folder, or the same settings to resume.")
-        elif self.path.is_file():
+            self._settings_written = True
+        elif self.records:
             raise SettingsMismatchError(f"{self.path} exists without {SETTINGS}; use another output folder.")
-        else:
-            settings_path.write_text(json.dumps(asdict(settings), indent=1) + "\n")
-        self.records: dict[tuple[str, str, int], dict] = {}
-        self.fingerprints: dict[tuple[str, int], str] = {}
-        if self.path.is_file():
-            self._load()
 
     def _load(self) -> None:
         lines = self.path.read_text(encoding="utf-8").splitlines()
@@ -116,6 +120,9 @@ class RecordStore:
                 "use another output folder.")
 
     def add(self, record: dict) -> None:
+        if not self._settings_written:  # before the first record: the records are never without their settings
+            (self.folder / SETTINGS).write_text(json.dumps(asdict(self.settings), indent=1) + "\n")
+            self._settings_written = True
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
         self._index(record)
@@ -258,6 +265,12 @@ def evaluate(benchmarks=("gsm8k", "humaneval", "mt-bench"), *, output_dir: str |
     from .report import write_report
     from .summary import summarize
 
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}.")
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
     if target is None or isinstance(target, (str, Path)):
         target_name = target_name or (DEFAULT_TARGET_NAME if target is None else location(target))
         target, tokenizer = load_target(None if target is None else str(target), dtype)

@@ -78,19 +78,38 @@ class SlotConventionError(ValueError):
 # ------------------------------------------------------------------------------------------------------------------
 
 
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _flag(config: dict, key: str, source: str) -> bool | None:
+    """A boolean config field however it was written (JSON true/false, 1/0, "true"/"false", ...); None when
+    absent. Anything else is refused: guessing a slot-convention flag could silently ruin the drafter."""
+    value = config.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise SlotConventionError(f"{source}/config.json has {key}={value!r}, which is not a boolean; write true or "
+                              "false (JSON) so the slot convention is known.")
+
+
 def check_slot_convention(config: dict, source: str) -> None:
     """Refuse checkpoints whose slot k predicts anchor + k (they would silently give tau ~ 1)."""
     architectures = config.get("architectures") or []
     reasons = []
     if "DFlashDraftModel" in architectures:
         reasons.append("architecture DFlashDraftModel (z-lab DFlash: logits from slots 1..B-1)")
-    if config.get("speculators_model_type"):
-        if not config.get("sample_from_anchor", False):
-            reasons.append(f"speculators_model_type={config['speculators_model_type']!r} without sample_from_anchor")
     nested = config.get("dflash_config") or {}
-    if config.get("sample_from_anchor") is False or nested.get("sample_from_anchor") is False:
+    from_anchor = _flag(config, "sample_from_anchor", source)
+    nested_from_anchor = _flag(nested, "sample_from_anchor", f"{source} (dflash_config)") if isinstance(nested, dict) \
+        else None
+    if config.get("speculators_model_type") and not from_anchor:
+        reasons.append(f"speculators_model_type={config['speculators_model_type']!r} without sample_from_anchor")
+    if from_anchor is False or nested_from_anchor is False:
         reasons.append("sample_from_anchor: false")
-    if config.get("dspark_bonus_anchor") is True:
+    if _flag(config, "dspark_bonus_anchor", source):
         reasons.append("dspark_bonus_anchor: true")
     if reasons:
         raise SlotConventionError(
@@ -204,11 +223,21 @@ def import_deepspec(folder: str | Path, target=None) -> DSparkDraftModel | Eagle
         state["sequential_head.token_embedding.weight"] = _compress_rows(
             state["sequential_head.token_embedding.weight"], state["draft_to_target"], folder)
     drafter = Eagle3DraftModel(config) if isinstance(config, Eagle3DraftConfig) else DSparkDraftModel(config)
-    expected = set(drafter.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    expected = drafter.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ValueError(f"{folder} does not fit DeepSpec's {config_dict['architectures'][0]} layout: missing "
                          f"{missing[:8]}, unexpected {unexpected[:8]}")
+    wrong = [(name, tuple(state[name].shape), tuple(tensor.shape)) for name, tensor in expected.items()
+             if state[name].shape != tensor.shape]
+    if wrong:
+        shapes = "; ".join(f"{name} {stored} stored, {needed} for the config" for name, stored, needed in wrong[:4])
+        hint = ""
+        if any(name == "fc.weight" for name, *_ in wrong):
+            hint = (f" fc fuses len(target_layer_ids) = {len(config.target_layer_ids)} target layers of width "
+                    f"{config.hidden_size}: check target_layer_ids (and hidden_size) in config.json.")
+        raise ValueError(f"{folder}/config.json does not describe the weights in {folder} ({shapes}).{hint} Fix "
+                         "config.json to match the checkpoint it was saved with.")
     drafter.load_state_dict(state, strict=True)
     stored = {t.dtype for n, t in state.items() if t.is_floating_point()}
     if len(stored) == 1:  # keep the checkpoint's precision (DeepSpec saves bf16)

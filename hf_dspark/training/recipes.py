@@ -12,7 +12,8 @@ from torch.utils.data import ConcatDataset
 from transformers import AutoConfig, TrainingArguments
 
 from ..models import DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig, Eagle3DraftModel
-from ..models.common import drafter_kind
+from ..models.common import UserInputError, drafter_kind
+from ..models.loading import read_saved_config
 from .data import Decontaminator, answer_examples, sharegpt_path
 from .init import init_context_from_target, init_layers_from_target, init_markov_head_from_bigrams
 from .budget import TimeBudgetCallback
@@ -49,9 +50,11 @@ def build_drafter(kind: str, target, *, num_layers: int, block_size: int, markov
 
 
 def continue_drafter(kind: str, path: str, target):
+    read_saved_config(path, "drafter")  # a missing or broken folder is named before transformers tries the Hub
     found = drafter_kind(AutoConfig.from_pretrained(path))
     if found != (kind if kind in ("dflash", "eagle3") else "dspark"):
-        raise ValueError(f"--init-from {path} holds a {found or 'non-drafter'} checkpoint, not a {kind} drafter")
+        raise UserInputError(f"--init-from {path} holds a {found or 'non-drafter'} checkpoint, not a {kind} drafter; "
+                             f"pass a {kind} drafter or the --kind it is.")
     drafter = (Eagle3DraftModel if kind == "eagle3" else DSparkDraftModel).from_pretrained(path)
     drafter.attach_target(target)
     return drafter.float().train()
@@ -64,7 +67,7 @@ def assemble_dataset(tokenizer, regenerated: list[str], dataset_answers: int, ma
                                    decontaminator=Decontaminator.from_benchmarks())
         parts.append(ExampleList(examples))
     if not parts:
-        raise ValueError("no training data: pass --data DIR (regenerated shards) and/or --dataset-answers N")
+        raise UserInputError("no training data: pass --data DIR (regenerated shards) and/or --dataset-answers N")
     return ConcatDataset(parts) if len(parts) > 1 else parts[0]
 
 

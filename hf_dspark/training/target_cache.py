@@ -26,6 +26,8 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from ..models.common import UserInputError
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
@@ -46,6 +48,10 @@ def _fingerprint(examples) -> str:
 
 class InsufficientDiskError(OSError):
     pass
+
+
+class TargetCacheError(UserInputError, FileNotFoundError):
+    """A `--cache` folder that is not a complete target cache for this drafter (the message says how to fix it)."""
 
 
 def build_target_cache(target, examples, output_dir: str | os.PathLike, target_layer_ids: list[int], *,
@@ -157,17 +163,17 @@ class TargetCacheDataset(Dataset):
         cache = Path(cache_dir)
         manifest_path = cache / MANIFEST
         if not manifest_path.exists():
-            raise FileNotFoundError(f"{cache} is not a target cache (no {MANIFEST}); build it with `hf-dspark cache`")
+            raise TargetCacheError(f"{cache} is not a target cache (no {MANIFEST}); build it with `hf-dspark cache`")
         self.manifest = json.loads(manifest_path.read_text())
         cached = self.manifest["target_layer_ids"]
         if layer_ids is not None and any(i not in cached for i in layer_ids):
-            raise ValueError(f"{cache} caches target layers {cached} but the drafter reads {list(layer_ids)}; "
+            raise TargetCacheError(f"{cache} caches target layers {cached} but the drafter reads {list(layer_ids)}; "
                              "rebuild the cache with (a superset of) the drafter's target_layer_ids.")
         self.columns = None if layer_ids is None or list(layer_ids) == cached else [cached.index(i) for i in layer_ids]
         count = -(-self.manifest["num_examples"] // self.manifest["shard_size"])
         missing = [i for i in range(count) if not (cache / f"shard-{i:05d}.safetensors").exists()]
         if missing:
-            raise FileNotFoundError(f"{cache} is incomplete ({len(missing)} of {count} shards missing); "
+            raise TargetCacheError(f"{cache} is incomplete ({len(missing)} of {count} shards missing); "
                                     "rerun the same `hf-dspark cache` command to finish it.")
         self.shards = [_map_safetensors(cache / f"shard-{i:05d}.safetensors") for i in range(count)]
         self.index = [(s, j) for s, shard in enumerate(self.shards) for j in range(len(shard["offsets"]) - 1)]

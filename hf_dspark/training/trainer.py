@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 from transformers import Trainer
 
-from ..models.common import DraftContextCache, DraftPreTrainedModel
+from ..models.common import DraftContextCache, DraftPreTrainedModel, UserInputError
 from ..models.modeling_eagle3 import Eagle3DraftModel
 from .blocks import build_blocks, sample_anchors
 from .losses import TargetDistribution, dspark_loss, l1_distance, soft_cross_entropy
@@ -56,6 +57,9 @@ class RegeneratedDataset(Dataset):
     """Examples from `hf-dspark regenerate` shards, truncated to `max_length`, with at least two answer tokens."""
 
     def __init__(self, data_dir, max_length: int = 1024, limit: int | None = None):
+        if not Path(data_dir).is_dir():
+            raise UserInputError(f"--data {data_dir}: no such folder; pass a folder written by "
+                                 "`hf-dspark regenerate --output DIR`.")
         self.examples = []
         for example in iter_regenerated(data_dir):
             example = {k: v[:max_length] for k, v in example.items()}
@@ -64,7 +68,9 @@ class RegeneratedDataset(Dataset):
             if limit is not None and len(self.examples) >= limit:
                 break
         if not self.examples:
-            raise ValueError(f"no usable regenerated examples under {data_dir}")
+            raise UserInputError(f"no usable regenerated examples under {data_dir} (no shard-*.jsonl there, or no "
+                                 "answer of at least 2 tokens); write them with `hf-dspark regenerate --output "
+                                 f"{data_dir}`.")
 
     def __len__(self) -> int:
         return len(self.examples)
