@@ -4,10 +4,14 @@ context K/V cache, and the base class that binds a drafter to the frozen embeddi
 from __future__ import annotations
 
 import importlib
+import json
 import math
+import numbers
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.activations import ACT2FN
@@ -39,8 +43,18 @@ def drafter_kind(config) -> str | None:
     return None
 
 
-class DrafterTargetMismatchError(ValueError):
-    """A drafter was used with a target model whose shapes or depth it was not built for."""
+class UserInputError(ValueError):
+    """A mistake the user can fix (a path, a setting, a file): the message names the problem and the fix. The
+    `hf-dspark` command line prints it on one line and exits with code 2; anything else keeps its traceback."""
+
+
+class DrafterTargetMismatchError(UserInputError):
+    """A drafter was used with a target model whose shapes, depth or device it was not built for."""
+
+
+class DrafterLoadError(UserInputError):
+    """A drafter folder that cannot be loaded as it is (another architecture, a missing config field, unreadable
+    weights); the message names the file, the field and the fix."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -278,11 +292,18 @@ class DraftPreTrainedModel(PreTrainedModel):
         self._target_heads: _TargetHeads | None = None
         self.confidence_threshold: float | None = None
         """Optional static threshold: drafting stops at the first slot whose cumulative confidence falls below it."""
-        self.num_draft_tokens: int | None = None
-        """Draft length per round (defaults to ``config.block_size``)."""
+        self.num_draft_tokens = None  # drafts per round: 1..config.block_size, None = block_size (checked)
         self.verification_costs = None
         """Optional `hf_dspark.scheduling.VerificationCostTable`: with a confidence head, each round drafts only
-        as many tokens as maximise expected tokens per second (`ThroughputDraftLength`)."""
+        as many tokens as maximise expected tokens per second (`ThroughputDraftLength`); at batch 1 each round
+        also skips the drafter when, by the recent rounds, a plain step or a suffix proposal pays more
+        (`RoundPlanner`)."""
+        self.suffix_drafting: bool = bool(getattr(config, "suffix_drafting", False))
+        """Batch 1: also propose suffix matches over the prompt and the text so far, and verify whichever proposal
+        promises more tokens per second (lossless). Set False to measure the drafter alone."""
+        self.proposal_statistics = None
+        """`hf_dspark.scheduling.draft_length.ProposalStatistics` learnt by earlier generations at batch 1 (suffix
+        acceptance, the drafter's expected tokens per round); created on first use."""
         self.verification_policy = None
         """How many drafts each row verifies when `generate()` gets a batch of prompts (the batched engine; DSpark
         and DFlash only). None derives it from the attributes above, so a drafter behaves alike at every batch
@@ -299,6 +320,17 @@ class DraftPreTrainedModel(PreTrainedModel):
             self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=True)
         else:
             self.draft_to_target = None
+
+    @property
+    def num_draft_tokens(self) -> int | None:
+        """Drafts per round, at most ``config.block_size`` (the slots the drafter was trained for); None (the
+        default) drafts ``block_size``. The same rule holds for one prompt and for a batch: anything else (0, a
+        negative number, more than ``block_size``) raises a ValueError when set."""
+        return self._num_draft_tokens
+
+    @num_draft_tokens.setter
+    def num_draft_tokens(self, value: int | None) -> None:
+        self._num_draft_tokens = _checked_draft_length(value, self.config.block_size)
 
     @property
     def output_vocab_size(self) -> int:
@@ -334,11 +366,14 @@ class DraftPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Load a drafter from safetensors only, refusing checkpoints with missing or mis-shaped weights
-        (stock loading would silently re-initialise them and the drafter would propose garbage)."""
+        (stock loading would silently re-initialise them and the drafter would propose garbage), a config.json of
+        another architecture or without a field whose default would change the drafter's outputs
+        (`config_class.required_saved_fields`), and unreadable weights (`DrafterLoadError`, naming the file)."""
         if kwargs.get("use_safetensors") is False:
             raise ValueError("hf_dspark drafters load weights from safetensors only; drop use_safetensors=False.")
         kwargs["use_safetensors"] = True
         return_info = kwargs.pop("output_loading_info", False)
+        _check_saved_config(cls, pretrained_model_name_or_path, kwargs)  # AutoModel passes the config it read
         fix = (
             "It was saved for a different drafter config or is incomplete: load it with the config.json saved "
             "beside it, or re-save it with save_pretrained() from a matching drafter."
@@ -353,6 +388,14 @@ class DraftPreTrainedModel(PreTrainedModel):
             raise ValueError(
                 f"The checkpoint at {pretrained_model_name_or_path!r} has weights with the wrong shape for "
                 f"{cls.__name__} (see the load report above). {fix}"
+            ) from error
+        except SafetensorError as error:
+            local = Path(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+            files = sorted(str(f) for f in local.glob("*.safetensors")) if local.is_dir() else []
+            where = ", ".join(files) or f"the safetensors weights of {str(pretrained_model_name_or_path)!r}"
+            raise DrafterLoadError(
+                f"{where} cannot be read ({error}): the file is truncated or corrupt, e.g. by an interrupted "
+                "download or copy. Download or save the drafter again."
             ) from error
         problems = []
         if info.get("missing_keys"):
@@ -422,7 +465,16 @@ class DraftPreTrainedModel(PreTrainedModel):
             raise DrafterTargetMismatchError(
                 f"{type(target).__name__} has no LM head; load the target with AutoModelForCausalLM."
             )
-        self._target_heads = _TargetHeads(target.get_input_embeddings(), lm_head)
+        embedding = target.get_input_embeddings()
+        mine = next(self.parameters()).device
+        for name, module in (("input embedding", embedding), ("LM head", lm_head)):
+            theirs = module.weight.device
+            if theirs != mine:
+                raise DrafterTargetMismatchError(
+                    f"the drafter is on {mine} but the target's {name} is on {theirs}: the drafter runs on its "
+                    f"target's features and shares its embedding and LM head. Move it with drafter.to({str(theirs)!r})."
+                )
+        self._target_heads = _TargetHeads(embedding, lm_head)
 
     @property
     def target_heads(self) -> _TargetHeads:
@@ -462,7 +514,61 @@ class DraftPreTrainedModel(PreTrainedModel):
         return [i + 1 for i in self.config.target_layer_ids]
 
     def draft_length(self) -> int:
-        return self.num_draft_tokens or self.config.block_size
+        """Drafts per round: `num_draft_tokens`, or ``config.block_size`` when it is None."""
+        length = _checked_draft_length(self._num_draft_tokens, self.config.block_size)
+        return self.config.block_size if length is None else length
+
+
+def _checked_draft_length(value, block_size: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= block_size:
+        raise ValueError(
+            f"num_draft_tokens must be an int from 1 to the drafter's block_size ({block_size}), or None for "
+            f"block_size; got {value!r}. A drafter predicts only the block_size slots it was trained for."
+        )
+    return int(value)
+
+
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision", "subfolder")
+
+
+def _check_saved_config(cls, path, kwargs: dict) -> None:
+    """Refuse a drafter folder whose config.json names another architecture, or lacks a field whose default would
+    silently change the drafter's outputs (`config_class.required_saved_fields`). Unreadable folders are left to
+    `from_pretrained`'s own error."""
+    local = Path(path, kwargs.get("subfolder") or "", "config.json")
+    source = str(local) if local.is_file() else f"config.json of {str(path)!r}"
+    try:
+        if local.is_file():
+            saved = json.loads(local.read_text(encoding="utf-8"))
+        else:
+            saved, _ = PreTrainedConfig.get_config_dict(path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    except json.JSONDecodeError as error:
+        raise DrafterLoadError(f"{source} is not valid JSON ({error}); restore it from the drafter's original "
+                               "folder or save the drafter again.") from error
+    except OSError:
+        return
+    expected = cls.config_class.model_type
+    found = saved.get("model_type")
+    if found != expected:
+        if found in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
+            fix = "load it with AutoModel.from_pretrained (after `import hf_dspark`), which picks the class from it"
+        else:
+            fix = ("it is not an hf_dspark drafter: pass a folder written by `hf-dspark train` or a drafter's "
+                   "save_pretrained()")
+        raise DrafterLoadError(f"{source} has model_type {found!r}, but {cls.__name__} is {expected!r}: {fix}.")
+    for field, hint in getattr(cls.config_class, "required_saved_fields", {}).items():
+        if saved.get(field) is None:
+            legacy = saved.get("rope_theta") if field == "rope_parameters" else None
+            extra = f" (it has the old field rope_theta={legacy}: move it into rope_parameters)" if legacy else ""
+            raise DrafterLoadError(f"{source} has no {field!r}{extra}. {hint}")
+    rope = saved.get("rope_parameters")
+    if "rope_parameters" in getattr(cls.config_class, "required_saved_fields", {}) and not (
+        isinstance(rope, dict) and "rope_theta" in rope
+    ):
+        raise DrafterLoadError(f"{source} has rope_parameters {rope!r} without a rope_theta. "
+                               f"{cls.config_class.required_saved_fields['rope_parameters']}")
 
 
 def attention_scaling(head_dim: int) -> float:

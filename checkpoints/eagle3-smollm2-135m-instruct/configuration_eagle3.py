@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
@@ -40,10 +40,20 @@ class Eagle3DraftConfig(PreTrainedConfig):
         draft_vocab_size (`int`, *optional*): Draft over only this many target tokens (the most frequent in
             the training answers; ids in the `draft_to_target` buffer). Drafting and the draft LM head get
             cheaper; verification stays exact over the full vocabulary. `None` drafts over all tokens.
+        suffix_drafting (`bool`): Let generation at batch 1 also propose suffix matches over the prompt and the
+            text so far (`hf_dspark.generation.suffix`) and verify, each round, whichever of the drafter's block, the
+            suffix proposal or no draft promises the most tokens per second. Lossless either way; the drafter's
+            `suffix_drafting` attribute starts from this value and can be switched per model.
         initializer_range (`float`): Std of the normal initialiser.
     """
 
     model_type = EAGLE3_DRAFTER_TYPE
+    required_saved_fields: ClassVar[dict[str, str]] = {
+        "rope_parameters": "The drafter's rotary embedding must be its target's, and a default would change its "
+                           "outputs: add the target's, e.g. \"rope_parameters\": {\"rope_type\": \"default\", "
+                           "\"rope_theta\": <the target's rope_theta>}.",
+    }
+    """config.json fields a saved drafter must have: loading refuses it without them rather than guess."""
 
     vocab_size: int = 32000
     hidden_size: int = 1024
@@ -63,6 +73,7 @@ class Eagle3DraftConfig(PreTrainedConfig):
     target_num_hidden_layers: int | None = None
     target_model_type: str | None = None
     draft_vocab_size: int | None = None
+    suffix_drafting: bool = False
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 

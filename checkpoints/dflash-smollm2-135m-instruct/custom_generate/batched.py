@@ -74,8 +74,7 @@ class SamplingParams:
     def __post_init__(self):
         if self.do_sample and not self.temperature > 0:
             raise ValueError(f"temperature must be positive when sampling, got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        check_top_p(self.top_p)
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"top_k must be a non-negative int (0 disables it), got {self.top_k!r}.")
 
@@ -96,6 +95,23 @@ class SamplingParams:
 # ------------------------------------------------------------------------------------------------------------------
 # Checks and settings
 # ------------------------------------------------------------------------------------------------------------------
+
+
+def check_top_p(top_p: float) -> None:
+    """One rule for top_p at every batch size (stock `generate` reads top_p=0 as top-1 at batch 1 only)."""
+    if not 0 < top_p <= 1:
+        raise ValueError(
+            f"top_p must be in (0, 1] (1 = off), got {top_p}; for the single most likely token use greedy "
+            "decoding (do_sample=False) or top_k=1."
+        )
+
+
+def check_sampling_processors(logits_processor) -> None:
+    """What `generate` built from its options, held to the rules the batched engine applies (`check_top_p`), so
+    one prompt and a batch accept and refuse the same settings."""
+    for processor in logits_processor or ():
+        if isinstance(processor, TopPLogitsWarper):
+            check_top_p(float(processor.top_p))
 
 
 def _check_engine(target, drafter, policy, policy_arg) -> None:
@@ -260,6 +276,19 @@ class _RowSampling:
                                            drafts.lengths[rows], generator)
         num_accepted[rows], next_token[rows] = accepted, token
         return num_accepted, next_token
+
+
+@dataclass
+class _EngineSnapshot:
+    """`SpeculativeEngine` state before a step (see `SpeculativeEngine._snapshot`)."""
+
+    waiting: list[int]
+    rows: "_Rows | None"
+    row_fields: dict
+    target_layers: list[dict]
+    draft_layers: tuple[list, list]
+    requests: dict[int, tuple[int, int, int]]  # request id -> (tokens, emitted, rounds recorded)
+    rounds: int
 
 
 @dataclass
@@ -638,13 +667,30 @@ class SpeculativeEngine:
                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                eos_token_id: int | list[int] | None = None) -> int:
         """Queue one prompt (1D token ids, no padding) and return its request id. It joins at the next `step()`.
-        `eos_token_id` None falls back to the target's generation config, like `generate`."""
+        `eos_token_id` None falls back to the target's generation config, like `generate`.
+
+        Everything is checked here, before the request can share a round with others: integer token ids (a
+        float tensor is refused, not truncated), one non-empty 1D prompt, every id inside the target's vocabulary,
+        and the sampling settings. A refused request leaves the engine unchanged."""
         input_ids = torch.as_tensor(input_ids)
         if input_ids.ndim == 2 and input_ids.shape[0] == 1:
             input_ids = input_ids[0]
         if input_ids.ndim != 1 or input_ids.numel() == 0:
             raise ValueError(
                 f"submit takes one non-empty prompt of shape (length,), got shape {tuple(input_ids.shape)}."
+            )
+        if input_ids.dtype == torch.bool or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+            raise ValueError(
+                f"submit takes integer token ids, got dtype {input_ids.dtype}; pass the tokenizer's ids as a "
+                "LongTensor (e.g. tokenizer(text, return_tensors='pt').input_ids[0])."
+            )
+        vocab_size = self.target.get_input_embeddings().weight.shape[0]
+        outside = ((input_ids < 0) | (input_ids >= vocab_size)).nonzero()
+        if outside.numel():
+            position = int(outside[0, 0])
+            raise ValueError(
+                f"token id {int(input_ids[position])} at position {position} is outside the target's vocabulary "
+                f"(ids 0..{vocab_size - 1}); tokenize the prompt with the target's own tokenizer."
             )
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}.")
@@ -667,11 +713,42 @@ class SpeculativeEngine:
     @torch.no_grad()
     def step(self) -> dict[int, torch.LongTensor]:
         """Admit the waiting requests, then run one round for every running request. Returns the requests that
-        finished during this step (id -> prompt followed by its new tokens); each output is returned once."""
-        finished = self._admit_waiting()
-        if self.num_running:
-            finished += self._round()
+        finished during this step (id -> prompt followed by its new tokens); each output is returned once.
+
+        A step that raises (out of memory, an interrupt, a request that breaks the model) leaves the engine as it
+        was before the step: waiting requests still wait, running ones keep their caches and tokens. Fix the
+        cause, or `cancel()` the offending request, and step again; every other request's output is unchanged.
+        (A stateful scheduler may have seen the failed round's confidences: that changes draft lengths only.)"""
+        snapshot = self._snapshot()
+        try:
+            finished = self._admit_waiting()
+            if self.num_running:
+                finished += self._round()
+        except BaseException as error:
+            self._restore(snapshot)
+            if hasattr(error, "add_note"):
+                error.add_note(
+                    f"SpeculativeEngine: the step that raised this ({len(snapshot.waiting)} waiting requests "
+                    f"{snapshot.waiting[:8]}, {self.num_running} running) was undone; the engine is as before it. "
+                    "Fix the cause or cancel(request_id) the offending request, then step again."
+                )
+            raise
         return {request_id: self._pop_output(request_id) for request_id in finished}
+
+    def cancel(self, request_id: int) -> torch.LongTensor:
+        """Drop a waiting or running request; returns its tokens so far (prompt followed by any new tokens).
+        The other requests are unaffected."""
+        if request_id not in self._requests:
+            raise KeyError(f"no request {request_id} is waiting or running (finished ones were already returned).")
+        if request_id in self._waiting:
+            self._waiting.remove(request_id)
+        elif self._rows is not None:
+            keep = (self._rows.request != request_id).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                self._rows = None
+            elif keep.numel() < len(self._rows):
+                self._rows.select(keep)
+        return self._pop_output(request_id)
 
     def run_until_done(self) -> dict[int, torch.LongTensor]:
         """Step until no request is waiting or running; returns the outputs of the requests that finished during
@@ -682,6 +759,38 @@ class SpeculativeEngine:
         return outputs
 
     # -- internals ------------------------------------------------------------------------------------------------
+
+    def _snapshot(self) -> "_EngineSnapshot":
+        """What a step may change, by reference: every cache update and row edit replaces tensors (none is written
+        in place), so keeping the old references is enough to undo a step."""
+        rows = self._rows
+        requests = {r: (len(q.tokens), q.emitted, q.stats.num_rounds) for r, q in self._requests.items()}
+        if rows is None:
+            return _EngineSnapshot(list(self._waiting), None, {}, [], ([], []), requests,
+                                   len(self.verified_tokens_per_round))
+        return _EngineSnapshot(
+            list(self._waiting), rows, dict(vars(rows)), [dict(vars(layer)) for layer in rows.target_cache.layers],
+            (list(rows.draft_cache.keys), list(rows.draft_cache.values)), requests,
+            len(self.verified_tokens_per_round))
+
+    def _restore(self, snapshot: "_EngineSnapshot") -> None:
+        self._waiting = snapshot.waiting
+        self._rows = rows = snapshot.rows
+        if rows is not None:
+            vars(rows).clear()
+            vars(rows).update(snapshot.row_fields)
+            for layer, fields in zip(rows.target_cache.layers, snapshot.target_layers):
+                vars(layer).clear()
+                vars(layer).update(fields)
+            rows.draft_cache.keys, rows.draft_cache.values = (list(k) for k in snapshot.draft_layers)
+        for request_id, (length, emitted, rounds) in snapshot.requests.items():
+            request = self._requests[request_id]
+            del request.tokens[length:]
+            request.emitted = emitted
+            for per_round in vars(request.stats).values():  # draft_lengths, accepted, confidences, ...
+                if isinstance(per_round, list):
+                    del per_round[rounds:]
+        del self.verified_tokens_per_round[snapshot.rounds:]
 
     def _reset_policy(self) -> None:
         if hasattr(self.policy_arg, "reset"):

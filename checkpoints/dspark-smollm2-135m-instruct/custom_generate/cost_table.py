@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+
+def _is_time(value) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass
@@ -27,19 +35,28 @@ class VerificationCostTable:
     description: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if not self.seconds or any(s <= 0 for s in self.seconds):
-            raise ValueError("a cost table needs a positive time for every token count from 1 up")
+        if not self.seconds or not all(_is_time(s) and s > 0 for s in self.seconds):
+            raise ValueError("a cost table needs a positive, finite time for every token count from 1 up; "
+                             f"got {list(self.seconds)[:8]}. Profile it again (`hf-dspark profile`).")
+        if not (_is_time(self.draft_seconds) and self.draft_seconds >= 0):
+            raise ValueError(f"draft_seconds must be a finite time >= 0, got {self.draft_seconds!r}.")
 
     @property
     def max_tokens(self) -> int:
         return len(self.seconds)
 
     def round_seconds(self, num_tokens: int) -> float:
-        """Seconds of a round that verifies `num_tokens` tokens (drafts + 1); beyond the table, extrapolated."""
+        """Seconds of a round that verifies `num_tokens` tokens (drafts + 1); beyond the table, extrapolated.
+
+        The extrapolation never falls: it starts from the largest measured time and grows by the table's mean
+        slope per token when that slope is positive (a table that falls or is flat, as noisy GPU profiles are,
+        extrapolates flat). A forward over more tokens is never assumed cheaper than any measured one."""
+        if not num_tokens >= 1:
+            raise ValueError(f"a verification round checks at least 1 token, got num_tokens={num_tokens!r}.")
         if num_tokens <= self.max_tokens:
             return self.seconds[num_tokens - 1] + self.draft_seconds
-        slope = (self.seconds[-1] - self.seconds[0]) / max(self.max_tokens - 1, 1)
-        return self.seconds[-1] + slope * (num_tokens - self.max_tokens) + self.draft_seconds
+        slope = max((self.seconds[-1] - self.seconds[0]) / max(self.max_tokens - 1, 1), 0.0)
+        return max(self.seconds) + slope * (num_tokens - self.max_tokens) + self.draft_seconds
 
     def padded_tokens(self, num_tokens: int) -> int:
         """The cheapest forward size m >= num_tokens in the table. On CPUs the cost is not monotone in the token

@@ -28,7 +28,8 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .common import BLOCK_DRAFTER_TYPE, DraftPreTrainedModel, drafter_type
-from .batched import BatchedOutput, SpeculativeEngine, check_left_padded, resolve_verification_policy
+from .batched import (BatchedOutput, SpeculativeEngine, check_left_padded, check_sampling_processors,
+                      resolve_verification_policy)
 from .candidates import candidate_generator_for
 from .stats import SpeculativeStats
 from .verification import greedy_verify, rejection_sample
@@ -100,6 +101,7 @@ def speculative_decoding(
             **model_kwargs,
         )
     _check_request(target, input_ids, generation_config, model_kwargs)
+    check_sampling_processors(logits_processor)  # the batched engine's rules, so both paths refuse alike
     drafter.attach_target(target)
     generator = candidate_generator_for(drafter, logits_processor, generation_config)
     layer_indices = generator.model_kwargs_overrides["output_hidden_states"]
