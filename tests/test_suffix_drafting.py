@@ -33,11 +33,11 @@ def test_suffix_index_proposes_what_followed_the_latest_longest_match():
 
 
 def test_suffix_acceptance_learns_per_match_length():
-    acceptance = SuffixAcceptance(prior_accepted=1, prior_rejected=1)
+    acceptance = SuffixAcceptance(prior_accepted=1, prior_rejected=1, decay=0.5)
     assert acceptance.rate(2) == pytest.approx(0.5)
     acceptance.record(2, proposed=4, accepted=4)  # 4 reached, 4 accepted
-    acceptance.record(2, proposed=4, accepted=1)  # 2 reached (the rejected one too), 1 accepted
-    assert acceptance.rate(2) == pytest.approx((5 + 1) / (6 + 2))
+    acceptance.record(2, proposed=4, accepted=1)  # 2 reached (the rejected one too), 1 accepted; older halved
+    assert acceptance.rate(2) == pytest.approx((0.5 * 4 + 1 + 1) / (0.5 * 4 + 2 + 2))
     assert acceptance.rate(1) == pytest.approx(0.5)  # other match lengths keep their own counts
     rate = acceptance.rate(2)
     assert acceptance.expected_tokens(2, 3) == pytest.approx(1 + rate + rate**2 + rate**3)

@@ -12,24 +12,26 @@ from hf_dspark.models.loading import DTYPES, load_target
 
 
 def cmd_regenerate(args) -> int:
-    from hf_dspark.training.data import Decontaminator, load_prompts, sharegpt_path
+    from hf_dspark.training.data import Decontaminator, load_conversations, sharegpt_path
     from hf_dspark.training.regenerate import RegenerationConfig, regenerate
 
     sources = [sharegpt_path() if p == "sharegpt" else p for p in args.prompts]
-    prompts = load_prompts(sources, max_prompts=None)
-    before = len(prompts)
+    conversations = load_conversations(sources)
+    before = len(conversations)
     if not args.no_decontaminate:
-        prompts = Decontaminator.from_benchmarks().filter(prompts)
+        conversations = Decontaminator.from_benchmarks().filter_conversations(conversations)
     if args.max_prompts is not None:
-        prompts = prompts[: args.max_prompts]
-    print(f"{before} prompts read, {before - len(prompts)} dropped (eval overlap or --max-prompts), {len(prompts)} kept",
-          file=sys.stderr)
+        conversations = conversations[: args.max_prompts]
+    print(f"{before} conversations read, {before - len(conversations)} dropped (eval overlap or --max-prompts), "
+          f"{len(conversations)} kept", file=sys.stderr)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     target, tokenizer = load_target(args.target, args.dtype)
     config = RegenerationConfig(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, greedy_fraction=args.greedy_fraction, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
+        max_turns=args.max_turns, seed=args.seed,
     )
+    prompts = conversations
     stats = regenerate(target, tokenizer, prompts, args.output, config, target_name=args.target or "default")
     print(json.dumps(stats))
     if args.cache:
@@ -135,10 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--max-prompts", type=int, default=None)
     regen.add_argument("--max-new-tokens", type=int, default=384)
     regen.add_argument("--max-prompt-tokens", type=int, default=512)
-    regen.add_argument("--temperature", type=float, default=0.7)
+    regen.add_argument("--greedy-fraction", type=float, default=0.75,
+                       help="share of conversations answered greedily; the rest are sampled (--temperature etc.)")
+    regen.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled share (> 0)")
     regen.add_argument("--top-p", type=float, default=0.8)
     regen.add_argument("--top-k", type=int, default=20)
-    regen.add_argument("--batch-size", type=int, default=32)
+    regen.add_argument("--max-turns", type=int, default=4, help="user turns answered per conversation")
+    regen.add_argument("--batch-size", type=int, default=64)
     regen.add_argument("--seed", type=int, default=0)
     regen.add_argument("--threads", type=int, default=None)
     regen.add_argument("--no-decontaminate", action="store_true", help="keep prompts that overlap the eval sets")

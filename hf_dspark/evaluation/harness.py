@@ -180,7 +180,7 @@ def generate_record(target, tokenizer, drafter, method: str, prompt: EvalPrompt,
     if drafter is not None:
         record["stats"] = {"draft_lengths": stats.draft_lengths, "accepted": stats.accepted,
                            "confidences": [[round(c, 6) for c in cs] for cs in stats.confidences],
-                           "seconds": stats.seconds}
+                           "sources": stats.sources, "seconds": stats.seconds}
     if prompt.reference is not None or prompt.tests:
         record["task"] = {"reference": prompt.reference, "tests": prompt.tests, "entry_point": prompt.entry_point}
     return record
@@ -233,7 +233,8 @@ def run_records(target, tokenizer, drafters: dict, prompts: list[EvalPrompt], st
                     record["identical"] = check_identical(record, store.get(PLAIN, prompt), store.folder,
                                                           allow_mismatch)
                 running[method] = running[method].merge(SpeculativeStats(
-                    record["stats"]["draft_lengths"], record["stats"]["accepted"]))
+                    record["stats"]["draft_lengths"], record["stats"]["accepted"],
+                    sources=record["stats"]["sources"]))
             store.add(record)
             made += 1
         bar.set_postfix({f"tau[{label}]": f"{stats.tau:.2f}" for label, stats in running.items() if stats.num_rounds})

@@ -115,6 +115,7 @@ def speculative_decoding(
     raw_logits = () if want_logits else None
 
     sequence = input_ids
+    generator.extend_text(sequence)
     outputs, target_logits = _target_forward(target, sequence, cache, layer_indices, keep=1)
     draft_tokens = sequence.new_zeros(1, 0)
     draft_logits = None
@@ -137,7 +138,7 @@ def speculative_decoding(
             generator.update_candidate_strategy(sequence, processed, num_accepted)
         is_prefill = False
 
-        finished = False
+        finished, emitted_from = False, sequence.shape[1]
         for j in range(new_tokens.shape[1]):
             sequence = torch.cat([sequence, new_tokens[:, j : j + 1]], dim=-1)
             if want_scores:
@@ -153,6 +154,7 @@ def speculative_decoding(
         cache.crop(-(cache.get_seq_length() - (sequence.shape[1] - 1)))
         if finished:
             break
+        generator.extend_text(sequence[:, emitted_from:])
 
         candidates, draft_logits = generator.get_candidates(sequence, model_outputs=outputs, n_last_matches=num_accepted)
         draft_tokens = candidates[:, sequence.shape[1] :]

@@ -116,7 +116,8 @@ class RoundPlanner:
 
 @dataclass
 class SuffixAcceptance:
-    """Accepted / reached counts of proposed suffix tokens per match length, with a Beta(prior) start.
+    """Accepted / reached counts of proposed suffix tokens per match length, decayed so that the text being
+    written now weighs most, on top of a Beta(prior) start.
 
     `rate(n)` is the estimated probability that a proposed token is accepted given that the tokens before it in
     the same proposal were; `expected_tokens(n, m)` the expected tokens a round verifying m proposed tokens emits
@@ -125,6 +126,7 @@ class SuffixAcceptance:
 
     prior_accepted: float = 1.0
     prior_rejected: float = 2.0
+    decay: float = 0.97
     accepted: dict[int, float] = field(default_factory=dict)
     reached: dict[int, float] = field(default_factory=dict)
 
@@ -138,10 +140,10 @@ class SuffixAcceptance:
         return 1.0 + sum(rate**j for j in range(1, num_tokens + 1))
 
     def record(self, match_length: int, proposed: int, accepted: int) -> None:
-        """A round verified `proposed` suffix tokens and accepted the first `accepted` of them."""
+        """A proposal of `proposed` tokens after a match of `match_length` had its first `accepted` accepted."""
         reached = min(accepted + 1, proposed)  # the first rejected token was reached too
-        self.accepted[match_length] = self.accepted.get(match_length, 0.0) + accepted
-        self.reached[match_length] = self.reached.get(match_length, 0.0) + reached
+        self.accepted[match_length] = self.decay * self.accepted.get(match_length, 0.0) + accepted
+        self.reached[match_length] = self.decay * self.reached.get(match_length, 0.0) + reached
 
 
 @dataclass
