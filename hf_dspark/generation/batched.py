@@ -455,7 +455,8 @@ def _draft(drafter: DSparkDraftModel, rows: _Rows, budget: torch.LongTensor, pol
 
     Per row this is `DSparkCandidateGenerator._draft` (both call `DSparkDraftModel.draft_slot`) with the same token
     choice. A row stops drafting at its budget, or (threshold policy) at the first slot whose cumulative confidence
-    falls below the threshold, decided from c_1..c_j before x_j is drawn.
+    (or, under the drafter's `"per_slot"` rule, its own confidence) falls below the threshold, decided from c_1..c_j
+    before x_j is drawn.
     """
     config = drafter.config
     num_rows, gamma = rows.anchor.shape[0], config.block_size
@@ -485,8 +486,9 @@ def _draft(drafter: DSparkDraftModel, rows: _Rows, budget: torch.LongTensor, pol
         if confidence is not None:
             confidences[:, slot] = confidence
             survival = survival * confidence
-            if policy == "threshold":
-                drafting = drafting & (survival >= policy_arg)
+            if policy == "threshold":  # the drafter's rule: survival c_1...c_j, or c_j alone ("per_slot")
+                compared = confidence if drafter.confidence_threshold_rule == "per_slot" else survival
+                drafting = drafting & (compared >= policy_arg)
         drafting = drafting & (slot < budget)
         if not bool(drafting.any()):
             break
@@ -897,7 +899,8 @@ def batched_speculative_generate(
         policy: how many drafted slots each row verifies per round:
             ``"all"``: every slot the budget allows (up to the drafter's `draft_length()`);
             ``"fixed"``: `policy_arg` slots;
-            ``"threshold"``: up to the first slot whose cumulative confidence c_1...c_j is below `policy_arg`;
+            ``"threshold"``: up to the first slot whose cumulative confidence c_1...c_j is below `policy_arg` (its
+            own c_j with `drafter.confidence_threshold_rule = "per_slot"`, DeepSpec's meaning);
             ``"scheduler"``: `policy_arg.select_lengths(confidences, max_lengths)` of a `DSparkScheduler`, over all
             rows together (its `reset()` is called first). The last two need a confidence head (DSpark, not
             DFlash). The drafter's own `verification_policy` is not used here (`generate` uses it).

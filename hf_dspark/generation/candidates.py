@@ -207,7 +207,7 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
             if confidence is not None:
                 survival *= float(confidence)
                 # Stopping on c_1..c_k only (never on x_k itself) keeps the variable draft length lossless.
-                if threshold is not None and survival < threshold:
+                if threshold is not None and self.drafter.below_confidence_threshold(survival, float(confidence)):
                     break
                 if schedule is not None and not schedule.admit(survival):
                     break

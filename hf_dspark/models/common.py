@@ -104,6 +104,34 @@ def target_shape_fields(target_config: PreTrainedConfig) -> dict[str, Any]:
     }
 
 
+EMBEDDING_OUTPUT = -1
+"""A `target_layer_ids` entry for the target's embedding output (HF `hidden_states[0]`), as in DeepSpec."""
+
+
+def check_target_layer_ids(layer_ids) -> None:
+    """Structural check of a drafter config's `target_layer_ids`: integers, each a decoder layer (>= 0) or
+    `EMBEDDING_OUTPUT` (-1). Whether they fit a given target is `check_drafter_matches_target`'s job."""
+    bad = [i for i in layer_ids if isinstance(i, bool) or not isinstance(i, int) or i < EMBEDDING_OUTPUT]
+    if bad:
+        raise ValueError(f"target_layer_ids must be decoder layer indices (0, 1, ...) or -1 for the embedding "
+                         f"output, got {bad} in {list(layer_ids)}")
+
+
+CONFIDENCE_THRESHOLD_RULES = ("cumulative", "per_slot")
+"""How a static `confidence_threshold` t stops drafting: `"cumulative"` at the first slot j whose survival
+c_1 ... c_j < t (hf_dspark), `"per_slot"` at the first slot whose own c_j < t (DeepSpec's --confidence-threshold)."""
+
+
+def below_confidence_threshold(rule: str, survival: float, confidence: float, threshold: float) -> bool:
+    """Whether slot j is not drafted under `rule` (see `CONFIDENCE_THRESHOLD_RULES`), from its conditional
+    confidence c_j and the survival c_1 ... c_j. Neither looks at x_j, which keeps the draft length lossless."""
+    if rule == "per_slot":
+        return confidence < threshold
+    if rule == "cumulative":
+        return survival < threshold
+    raise ValueError(f"confidence_threshold_rule must be one of {CONFIDENCE_THRESHOLD_RULES}, got {rule!r}")
+
+
 # Families whose attention normalises queries and keys per head; drafters for them do the same.
 QK_NORM_FAMILIES = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "olmo2", "olmo3"}
 
@@ -141,11 +169,12 @@ def check_drafter_matches_target(draft_config: PreTrainedConfig, target_config: 
             f"they do not share a tokenizer. {fix}"
         )
     last_allowed = text.num_hidden_layers - 2
-    bad = [i for i in draft_config.target_layer_ids if not 0 <= i <= last_allowed]
+    bad = [i for i in draft_config.target_layer_ids if not EMBEDDING_OUTPUT <= i <= last_allowed]
     if bad:
         raise DrafterTargetMismatchError(
             f"The drafter reads target layers {bad}, but this target has {text.num_hidden_layers} layers "
-            f"(usable ids are 0..{last_allowed}; the last layer is only exposed after the final norm). {fix}"
+            f"(usable ids are 0..{last_allowed}, and -1 for the embedding output; the last layer is only exposed "
+            f"after the final norm). {fix}"
         )
     mask_id = getattr(draft_config, "mask_token_id", None)
     if mask_id is not None and not 0 <= mask_id < text.vocab_size:
@@ -291,7 +320,10 @@ class DraftPreTrainedModel(PreTrainedModel):
         super().__init__(config)
         self._target_heads: _TargetHeads | None = None
         self.confidence_threshold: float | None = None
-        """Optional static threshold: drafting stops at the first slot whose cumulative confidence falls below it."""
+        """Optional static threshold t (confidence-headed drafters): drafting stops at the first slot j whose
+        survival c_1 ... c_j falls below t, or, with `confidence_threshold_rule = "per_slot"` (DeepSpec's meaning),
+        whose own c_j does. At batch 1 and in a batch alike."""
+        self.confidence_threshold_rule = getattr(config, "confidence_threshold_rule", "cumulative")
         self.num_draft_tokens = None  # drafts per round: 1..config.block_size, None = block_size (checked)
         self.verification_costs = None
         """Optional `hf_dspark.scheduling.VerificationCostTable`: with a confidence head, each round drafts only
@@ -320,6 +352,26 @@ class DraftPreTrainedModel(PreTrainedModel):
             self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=True)
         else:
             self.draft_to_target = None
+
+    @property
+    def confidence_threshold_rule(self) -> str:
+        """`"cumulative"` (default) or `"per_slot"`: what `confidence_threshold` is compared with (see
+        `CONFIDENCE_THRESHOLD_RULES`); starts from `config.confidence_threshold_rule`."""
+        return self._confidence_threshold_rule
+
+    @confidence_threshold_rule.setter
+    def confidence_threshold_rule(self, rule: str) -> None:
+        if rule not in CONFIDENCE_THRESHOLD_RULES:
+            raise ValueError(f"confidence_threshold_rule must be one of {CONFIDENCE_THRESHOLD_RULES}, got {rule!r}")
+        self._confidence_threshold_rule = rule
+
+    def below_confidence_threshold(self, survival: float, confidence: float) -> bool:
+        """Whether `confidence_threshold` stops drafting at a slot with conditional confidence `confidence` and
+        survival `survival` (False when no threshold is set)."""
+        if self.confidence_threshold is None:
+            return False
+        return below_confidence_threshold(self.confidence_threshold_rule, survival, confidence,
+                                          self.confidence_threshold)
 
     @property
     def num_draft_tokens(self) -> int | None:
@@ -510,7 +562,8 @@ class DraftPreTrainedModel(PreTrainedModel):
 
     @property
     def target_hidden_state_indices(self) -> list[int]:
-        """Indices into a target's ``hidden_states`` tuple (index 0 is the embeddings) that the drafter reads."""
+        """Indices into a target's ``hidden_states`` tuple (index 0 is the embeddings) that the drafter reads:
+        ``i + 1`` per target layer id, so -1 (`EMBEDDING_OUTPUT`) reads the embedding output."""
         return [i + 1 for i in self.config.target_layer_ids]
 
     def draft_length(self) -> int:

@@ -7,7 +7,14 @@ from typing import Any, ClassVar
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .common import BLOCK_DRAFTER_TYPE, QK_NORM_FAMILIES, default_target_layer_ids, target_shape_fields
+from .common import (
+    BLOCK_DRAFTER_TYPE,
+    CONFIDENCE_THRESHOLD_RULES,
+    QK_NORM_FAMILIES,
+    check_target_layer_ids,
+    default_target_layer_ids,
+    target_shape_fields,
+)
 
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn")
 
@@ -49,8 +56,8 @@ class DSparkDraftConfig(PreTrainedConfig):
         block_size (`int`): gamma, the number of slots drafted per round. Slot k predicts the token at
             anchor + k + 1; the anchor token is itself the first prediction slot.
         target_layer_ids (`list[int]`): Target decoder layers whose outputs are fused into the context
-            (HF `hidden_states[i + 1]`). The target's last layer is not allowed (HF only exposes it after the
-            final norm).
+            (HF `hidden_states[i + 1]`); -1 is the embedding output (`hidden_states[0]`), as in DeepSpec. The
+            target's last layer is not allowed (HF only exposes it after the final norm).
         target_num_hidden_layers (`int`): Depth of the target the drafter was built for.
         target_model_type (`str`): `model_type` of that target (informational).
         mask_token_id (`int`): Token whose target embedding fills the block slots after the anchor.
@@ -72,6 +79,15 @@ class DSparkDraftConfig(PreTrainedConfig):
             text so far (`hf_dspark.generation.suffix`) and verify, each round, whichever of the drafter's block, the
             suffix proposal or no draft promises the most tokens per second. Lossless either way; the drafter's
             `suffix_drafting` attribute starts from this value and can be switched per model.
+        confidence_threshold_rule (`str`): What a static `drafter.confidence_threshold` t is compared with:
+            `"cumulative"` (hf_dspark's rule: drafting stops at the first slot j whose survival c_1 ... c_j is
+            below t) or `"per_slot"` (DeepSpec's `--confidence-threshold`: it stops at the first slot whose own
+            c_j is below t). Drafters imported from DeepSpec get `"per_slot"`, so a threshold copied from DeepSpec
+            gives the same draft lengths. Both decide from c_1..c_j before x_j is drawn, so both are lossless;
+            the drafter's `confidence_threshold_rule` attribute starts from this value.
+        deepspec_fields (`dict`, *optional*): Fields of an imported DeepSpec config.json that hf_dspark does not
+            use (e.g. `num_anchors`, DeepSpec's loss settings), written back unchanged by `hf-dspark convert` when
+            the drafter is exported again.
         initializer_range (`float`): Std of the normal initialiser.
     """
 
@@ -110,6 +126,8 @@ class DSparkDraftConfig(PreTrainedConfig):
     confidence_temperatures: list[float] | None = None
     draft_vocab_size: int | None = None
     suffix_drafting: bool = False
+    confidence_threshold_rule: str = "cumulative"
+    deepspec_fields: dict | None = None
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
@@ -144,6 +162,10 @@ class DSparkDraftConfig(PreTrainedConfig):
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
+        check_target_layer_ids(self.target_layer_ids)
+        if self.confidence_threshold_rule not in CONFIDENCE_THRESHOLD_RULES:
+            raise ValueError(f"confidence_threshold_rule must be one of {CONFIDENCE_THRESHOLD_RULES}, got "
+                             f"{self.confidence_threshold_rule!r}")
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size}) "

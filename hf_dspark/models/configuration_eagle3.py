@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .common import EAGLE3_DRAFTER_TYPE, QK_NORM_FAMILIES, target_shape_fields
+from .common import EAGLE3_DRAFTER_TYPE, QK_NORM_FAMILIES, check_target_layer_ids, target_shape_fields
 
 
 def default_eagle3_layer_ids(num_target_layers: int) -> list[int]:
@@ -34,7 +34,8 @@ class Eagle3DraftConfig(PreTrainedConfig):
         qk_norm (`bool`): RMSNorm on queries and keys per head before the rotary embedding (Qwen3 style, as in
             DeepSpec's Qwen3 Eagle3 drafter). `from_target_config` turns it on for targets whose attention has it.
         block_size (`int`): Chain length drafted per round.
-        target_layer_ids (`list[int]`): Target decoder layers whose outputs are fused (HF `hidden_states[i + 1]`).
+        target_layer_ids (`list[int]`): Target decoder layers whose outputs are fused (HF `hidden_states[i + 1]`;
+            -1 is the embedding output, `hidden_states[0]`, as in DeepSpec).
         target_num_hidden_layers (`int`): Depth of the target the drafter was built for.
         target_model_type (`str`): `model_type` of that target (informational).
         draft_vocab_size (`int`, *optional*): Draft over only this many target tokens (the most frequent in
@@ -44,6 +45,9 @@ class Eagle3DraftConfig(PreTrainedConfig):
             text so far (`hf_dspark.generation.suffix`) and verify, each round, whichever of the drafter's block, the
             suffix proposal or no draft promises the most tokens per second. Lossless either way; the drafter's
             `suffix_drafting` attribute starts from this value and can be switched per model.
+        deepspec_fields (`dict`, *optional*): Fields of an imported DeepSpec config.json that hf_dspark does not
+            use (e.g. `step_loss_decay`), written back unchanged by `hf-dspark convert` when the drafter is exported
+            again.
         initializer_range (`float`): Std of the normal initialiser.
     """
 
@@ -74,6 +78,7 @@ class Eagle3DraftConfig(PreTrainedConfig):
     target_model_type: str | None = None
     draft_vocab_size: int | None = None
     suffix_drafting: bool = False
+    deepspec_fields: dict | None = None
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
@@ -97,6 +102,7 @@ class Eagle3DraftConfig(PreTrainedConfig):
             raise ValueError(f"num_hidden_layers must be at least 1, got {self.num_hidden_layers}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
+        check_target_layer_ids(self.target_layer_ids)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

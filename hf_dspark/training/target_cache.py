@@ -59,7 +59,8 @@ def build_target_cache(target, examples, output_dir: str | os.PathLike, target_l
                        headroom: float = 1.05, progress: bool = True) -> dict:
     """Write the target cache for `examples` (dicts with `input_ids` and `loss_mask`) under `output_dir`.
 
-    `target_layer_ids` are 0-based decoder layers (the drafter config's `target_layer_ids`). Prints the size
+    `target_layer_ids` are 0-based decoder layers, or -1 for the embedding output (the drafter config's
+    `target_layer_ids`; HF `hidden_states[i + 1]`). Prints the size
     before writing and raises `InsufficientDiskError` when the free disk space would not hold it.
     """
     output = Path(output_dir)
@@ -68,8 +69,9 @@ def build_target_cache(target, examples, output_dir: str | os.PathLike, target_l
                 for e in examples]
     text_config = target.config.get_text_config()
     hidden, total_layers = text_config.hidden_size, text_config.num_hidden_layers
-    if any(not 0 <= i < total_layers for i in target_layer_ids):
-        raise ValueError(f"target_layer_ids {target_layer_ids} outside the target's {total_layers} layers")
+    if any(not -1 <= i < total_layers for i in target_layer_ids):
+        raise ValueError(f"target_layer_ids {target_layer_ids} outside the target's {total_layers} layers (use "
+                         f"0..{total_layers - 1}, or -1 for the embedding output)")
     manifest = {
         "format_version": FORMAT_VERSION, "target": target_name, "target_layer_ids": list(target_layer_ids),
         "hidden_size": hidden, "vocab_size": text_config.vocab_size, "num_examples": len(examples),
