@@ -25,12 +25,23 @@ def cmd_push(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    """Convert one way or the other. Every failure (an unreadable or missing folder, a refused drafter, a target
+    that does not fit, a write error) is one line on stderr and exit code 2, and leaves no half-written output."""
+    import shutil
+
+    from safetensors import SafetensorError
     from transformers import AutoModel, AutoModelForCausalLM
 
     from hf_dspark.hub.convert import export_deepspec, import_deepspec
 
+    output = Path(args.output)
+    existed = output.exists()
     try:
-        config = json.loads((Path(args.source) / "config.json").read_text())
+        config_path = Path(args.source) / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{args.source} has no config.json: pass a DeepSpec checkpoint folder or an "
+                                    "hf_dspark drafter folder")
+        config = json.loads(config_path.read_text())
         target = AutoModelForCausalLM.from_pretrained(args.target) if args.target else None
         direction = args.to or ("deepspec" if config.get("model_type") in ("dspark", "eagle3_draft") else "hf_dspark")
         if direction == "deepspec":
@@ -39,8 +50,14 @@ def cmd_convert(args) -> int:
         else:
             import_deepspec(args.source, target=target).save_pretrained(args.output)
             print(f"wrote hf_dspark drafter to {args.output}", file=sys.stderr)
-    except (ValueError, FileNotFoundError) as error:  # includes SlotConventionError and target mismatches
-        print(f"hf-dspark convert: {error}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError, KeyError, TypeError, SafetensorError) as error:
+        # ValueError includes SlotConventionError, target mismatches and broken JSON; OSError unreadable folders.
+        if not existed and output.exists():
+            shutil.rmtree(output, ignore_errors=True)
+        message = " ".join(str(error).split()) or type(error).__name__
+        if isinstance(error, KeyError):
+            message = f"{args.source}/config.json has no field {message}; is it a DeepSpec or hf_dspark checkpoint?"
+        print(f"hf-dspark convert: {message}", file=sys.stderr)
         return 2
     return 0
 

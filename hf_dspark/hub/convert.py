@@ -20,6 +20,17 @@ Eagle3 keys (`fc`, `layers.0.*` with q/k norms, `norm`) are the same on both sid
 The forward math was compared term by term with DeepSpec's modeling code (same weights give the same logits);
 the tests check the mapping and that an export/import round trip keeps every logit.
 
+DeepSpec's own loader asserts `num_anchors` (`Qwen3DSparkModel`) and `step_loss_decay` (`Qwen3Eagle3Model`): exports
+write the imported checkpoint's values, else DeepSpec's defaults (512 and 0.8). Every other DeepSpec field that
+hf_dspark does not use is kept in `config.deepspec_fields` on import and written back on export.
+
+DFlash (no Markov head) is exported with a rank-1, all-zero vanilla Markov head (its bias is 0: the same logits):
+SGLang refuses `markov_rank: 0`, and llama.cpp's converter reads a head-less drafter as `draft-dflash`, whose slots
+are shifted by one. Importing such a head (W1 all zero) gives the DFlash drafter back.
+
+`target_layer_ids` may hold -1 (DeepSpec's embedding output, HF `hidden_states[0]`). A DeepSpec `--confidence-threshold`
+compares each slot's own confidence; imported drafters use that rule (`confidence_threshold_rule: "per_slot"`).
+
 Slot convention: DeepSpec and hf_dspark both feed `[anchor, mask x (gamma-1)]` and train slot k to predict the
 token at anchor + k + 1. z-lab DFlash and `vllm-project/speculators` checkpoints (`sample_from_anchor: false`)
 train slot j to predict anchor + j with slot 0 unused. Same tensor names, different function: loading one as the
@@ -37,7 +48,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 from transformers.utils import logging
 
-from ..models.common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, DrafterTargetMismatchError, drafter_type
+from ..models.common import (
+    BLOCK_DRAFTER_TYPE,
+    EAGLE3_DRAFTER_TYPE,
+    EMBEDDING_OUTPUT,
+    DrafterTargetMismatchError,
+    drafter_type,
+)
 from ..models.configuration_dspark import DSparkDraftConfig
 from ..models.configuration_eagle3 import Eagle3DraftConfig
 from ..models.modeling_dspark import DSparkDraftModel
@@ -58,6 +75,26 @@ EAGLE3_ARCHITECTURE = "Qwen3Eagle3Model"
 MARKOV_TYPES = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}  # DeepSpec markov_head_type -> our markov_head
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 IGNORED = ("rotary_emb.inv_freq", "t2d")
+W1, W2 = "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"
+
+# DeepSpec's `__init__` asserts these fields (deepspec/modeling/*/qwen3/modeling.py); exports write every one.
+DEEPSPEC_REQUIRED_FIELDS = {
+    DSPARK_ARCHITECTURE: ("target_layer_ids", "mask_token_id", "num_anchors", "enable_confidence_head",
+                          "markov_rank"),  # + markov_head_type when markov_rank > 0, confidence_head_with_markov
+    EAGLE3_ARCHITECTURE: ("target_layer_ids", "ttt_length", "step_loss_decay"),
+}
+DEEPSPEC_DEFAULTS = {DSPARK_ARCHITECTURE: {"num_anchors": 512}, EAGLE3_ARCHITECTURE: {"step_loss_decay": 0.8}}
+"""Written when the drafter was not imported from DeepSpec (DeepSpec's training defaults; its loader only needs
+them to be present)."""
+# Fields of a DeepSpec config.json that the export writes itself (or that are HF bookkeeping); everything else that
+# is not a field of the target's config class is kept through import and export (`config.deepspec_fields`).
+_WRITTEN_BY_EXPORT = {
+    "architectures", "model_type", "auto_map", "_name_or_path", "transformers_version", "dtype", "torch_dtype",
+    "num_target_layers", "num_hidden_layers", "tie_word_embeddings", "layer_types", "target_layer_ids",
+    "draft_vocab_size", "rope_theta", "rope_scaling", "attention_bias", "block_size", "mask_token_id",
+    "enable_confidence_head", "markov_rank", "markov_head_type", "sample_from_anchor", "dspark_bonus_anchor",
+    "confidence_head_with_markov", "ttt_length", "draft_num_hidden_layers", "eagle_aux_hidden_state_layer_ids",
+}
 
 
 logger = logging.get_logger(__name__)
@@ -141,9 +178,23 @@ def _target_like(config: dict):
     return AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures", "auto_map")})
 
 
-def config_from_deepspec(config: dict, source: str = "checkpoint") -> DSparkDraftConfig | Eagle3DraftConfig:
+def deepspec_extra_fields(config: dict) -> dict:
+    """The fields of a DeepSpec config.json that are neither the target's config fields nor written by the export
+    (e.g. `num_anchors`, `step_loss_decay`, loss settings): kept so that an export writes them back."""
+    try:
+        known = set(type(_target_like(config))().to_dict())
+    except (ValueError, KeyError, TypeError):
+        known = set()
+    return {k: v for k, v in config.items() if k not in known and k not in _WRITTEN_BY_EXPORT}
+
+
+def config_from_deepspec(config: dict, source: str = "checkpoint", *, zero_markov_head: bool = False
+                         ) -> DSparkDraftConfig | Eagle3DraftConfig:
+    """Our drafter config for a DeepSpec config.json. `zero_markov_head`: the checkpoint's vanilla Markov head has
+    W1 = 0 (how DFlash is exported), so it adds nothing and the drafter is DFlash."""
     architectures = config.get("architectures") or []
     check_slot_convention(config, source)
+    extra = deepspec_extra_fields(config) or None
     if EAGLE3_ARCHITECTURE in architectures:
         if config["num_hidden_layers"] != 1:
             raise ValueError(f"{source} is a {config['num_hidden_layers']}-layer Eagle3: DeepSpec feeds every layer "
@@ -153,7 +204,7 @@ def config_from_deepspec(config: dict, source: str = "checkpoint") -> DSparkDraf
             _target_like(config), num_hidden_layers=1, **_target_depth(config),
             block_size=config.get("ttt_length", 7), target_layer_ids=list(config["target_layer_ids"]),
             qk_norm=True, attention_bias=bool(config.get("attention_bias", False)),
-            draft_vocab_size=_draft_vocab_size(config))
+            draft_vocab_size=_draft_vocab_size(config), deepspec_fields=extra)
     if DSPARK_ARCHITECTURE not in architectures:
         raise ValueError(
             f"{source} is a {architectures or 'checkpoint without architectures'}; `hf-dspark convert` reads "
@@ -165,6 +216,8 @@ def config_from_deepspec(config: dict, source: str = "checkpoint") -> DSparkDraf
     if rank and head_type not in MARKOV_TYPES:
         raise ValueError(f"{source} has markov_head_type={head_type!r}; hf_dspark converts {sorted(MARKOV_TYPES)}")
     confidence = bool(config.get("enable_confidence_head", False))
+    if zero_markov_head:
+        rank = 0  # W1 = 0: no bias and nothing for the confidence head to read, i.e. DFlash
     if confidence and rank and not config.get("confidence_head_with_markov", False):
         raise ValueError(f"{source}'s confidence head reads h_k only (confidence_head_with_markov false); "
                          "hf_dspark's reads [h_k ; W1[x_{k-1}]] whenever there is a Markov head")
@@ -181,6 +234,8 @@ def config_from_deepspec(config: dict, source: str = "checkpoint") -> DSparkDraf
         qk_norm=True,  # Qwen3 layers
         attention_bias=bool(config.get("attention_bias", False)),
         draft_vocab_size=_draft_vocab_size(config),
+        confidence_threshold_rule="per_slot",  # DeepSpec's --confidence-threshold compares each slot's own c_k
+        deepspec_fields=extra,
     )
 
 
@@ -203,8 +258,15 @@ def import_deepspec(folder: str | Path, target=None) -> DSparkDraftModel | Eagle
     """
     folder = Path(folder)
     config_dict = json.loads((folder / "config.json").read_text())
-    config = config_from_deepspec(config_dict, str(folder))
     weights = _read_weights(folder)
+    zero_head = _is_zero_vanilla_head(config_dict, weights)
+    config = config_from_deepspec(config_dict, str(folder), zero_markov_head=zero_head)
+    if zero_head:  # a DFlash export: drop the head and the confidence head's columns that read W1 (all zero)
+        weights.pop(W1)
+        weights.pop(W2, None)
+        if "confidence_head.proj.weight" in weights:
+            proj = weights["confidence_head.proj.weight"]
+            weights["confidence_head.proj.weight"] = proj[:, : config.hidden_size].contiguous()
     state = {}
     draft_vocab = config.draft_vocab_size
     if draft_vocab:
@@ -248,6 +310,14 @@ def import_deepspec(folder: str | Path, target=None) -> DSparkDraftModel | Eagle
     return drafter.eval()
 
 
+def _is_zero_vanilla_head(config: dict, weights: dict) -> bool:
+    """A vanilla Markov head whose W1 is all zero contributes nothing (bias W2(W1[x]) = 0, and the confidence head
+    reads W1[x] = 0): how DFlash drafters are exported."""
+    return (DSPARK_ARCHITECTURE in (config.get("architectures") or []) and int(config.get("markov_rank", 0)) > 0
+            and config.get("markov_head_type", "vanilla") == "vanilla" and W1 in weights
+            and not bool(weights[W1].any()))
+
+
 def _compress_rows(w1_full: torch.Tensor, draft_to_target: torch.Tensor, source) -> torch.Tensor:
     """W1 over the whole vocabulary -> our draft-vocabulary rows plus one row shared by every other token."""
     outside = torch.ones(w1_full.shape[0], dtype=torch.bool)
@@ -288,8 +358,10 @@ def _check_shared_weights(weights, target, drafter, source) -> None:
 
 def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | Path, target=None) -> Path:
     """Write `drafter` in DeepSpec's `Qwen3DSparkModel` / `Qwen3Eagle3Model` layout (flat config, safetensors,
-    explicit `sample_from_anchor: true`). With `target`, its embedding and LM head are included (DeepSpec's own
-    loader wants them; vLLM and SGLang share the target's when absent, except for a draft vocabulary's LM head)."""
+    explicit `sample_from_anchor: true`, the fields DeepSpec's loader asserts). With `target`, its embedding and LM
+    head are included (DeepSpec's own loader wants them; vLLM and SGLang share the target's when absent, except for
+    a draft vocabulary's LM head). A DFlash drafter gets a rank-1, all-zero vanilla Markov head (numerically the
+    same drafter), which SGLang requires and which makes llama.cpp read its slots the right way."""
     kind = drafter_type(drafter)
     if kind not in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
         raise ValueError(f"DeepSpec's layouts hold DSpark/DFlash and Eagle3 drafters, not {type(drafter).__name__}")
@@ -305,11 +377,14 @@ def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | 
         raise ValueError("DeepSpec's Eagle3 feeds every layer [embedding ; hidden]; only 1-layer drafters export")
     if getattr(config, "confidence_temperatures", None) is not None:
         raise ValueError("DeepSpec's layout has no per-slot confidence temperatures; they would be lost")
-    if not served_by_vllm(config):
-        logger.warning("%s: DeepSpec's layout holds it exactly, but vLLM/SGLang serve only the vanilla Markov head "
-                       "and DFlash from it", type(drafter).__name__)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    for warning in export_warnings(config):
+        logger.warning("%s export: %s", type(drafter).__name__, warning)
+    draft_ids = drafter.draft_to_target
+    if draft_ids is not None and target is None:
+        raise ValueError("a drafter with a draft vocabulary exports its LM head rows (vLLM requires them with "
+                         "d2t): pass the target")
+    if target is not None:
+        drafter.check_compatible(target.config)
     ours_to_theirs = {v: k for k, v in HEAD_NAMES.items()}
     weights = {}
     for name, tensor in drafter.state_dict().items():
@@ -317,30 +392,57 @@ def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | 
             continue
         weights[ours_to_theirs.get(name, name)] = tensor.detach().cpu().contiguous()
     vocab = config.vocab_size
-    draft_ids = drafter.draft_to_target
+    dtype = next(drafter.parameters()).dtype
+    if kind == BLOCK_DRAFTER_TYPE and config.markov_head is None:
+        # DFlash: a rank-1 vanilla head with W1 = W2 = 0 adds a zero bias, and the confidence head's extra W1
+        # column multiplies W1[x] = 0, so every logit and confidence is unchanged.
+        weights[W1] = torch.zeros(vocab, 1, dtype=dtype)
+        weights[W2] = torch.zeros(config.draft_vocab_size or vocab, 1, dtype=dtype)
+        if "confidence_head.proj.weight" in weights:
+            proj = weights["confidence_head.proj.weight"]
+            weights["confidence_head.proj.weight"] = torch.cat([proj, proj.new_zeros(proj.shape[0], 1)], dim=1)
     if draft_ids is not None:
-        if target is None:
-            raise ValueError("a drafter with a draft vocabulary exports its LM head rows (vLLM requires them with "
-                             "d2t): pass the target")
         draft_ids = draft_ids.cpu()
         weights["d2t"] = (draft_ids - torch.arange(len(draft_ids))).contiguous()
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[draft_ids] = True
         weights["t2d"] = t2d
-        if "markov_head.markov_w1.weight" in weights:
-            rows = weights["markov_head.markov_w1.weight"]
+        if kind == BLOCK_DRAFTER_TYPE and config.markov_head is not None:  # our W1: draft rows + one shared row
+            rows = weights[W1]
             full = rows[-1:].expand(vocab, -1).clone()
             full[draft_ids] = rows[:-1]
-            weights["markov_head.markov_w1.weight"] = full
+            weights[W1] = full
     if target is not None:
-        drafter.check_compatible(target.config)
         head = target.get_output_embeddings().weight.detach().cpu()
-        dtype = next(drafter.parameters()).dtype
-        weights["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().cpu().to(dtype).contiguous()
-        weights["lm_head.weight"] = (head[draft_ids] if draft_ids is not None else head).to(dtype).contiguous()
+        embedding = target.get_input_embeddings().weight.detach().cpu()
+        # clone(): a target with tied embeddings (SmolLM2, Qwen3-0.6B..4B, Gemma) shares one tensor between the two,
+        # and safetensors refuses to write shared tensors.
+        weights["embed_tokens.weight"] = embedding.to(dtype).clone().contiguous()
+        weights["lm_head.weight"] = (head[draft_ids] if draft_ids is not None else head).to(dtype).clone().contiguous()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(deepspec_config(drafter, target), indent=2) + "\n")
     return folder
+
+
+def export_warnings(config) -> list[str]:
+    """What the engines that read DeepSpec's layout cannot serve from this drafter's export (each engine's loader
+    was read: vLLM 0.33 `qwen3_dspark.py`, SGLang 0.5.23 `models/dspark.py` and `dflash_utils.py`, llama.cpp
+    `conversion/qwen.py`, DeepSpec `modeling/*/qwen3/modeling.py`)."""
+    warnings = []
+    if not served_by_vllm(config):
+        warnings.append("DeepSpec's layout holds it exactly, but vLLM, SGLang and llama.cpp serve only DSpark with the "
+                        "vanilla Markov head and DFlash from it")
+    if config.draft_vocab_size:
+        warnings.append(
+            f"the draft vocabulary ({config.draft_vocab_size} of {config.vocab_size} tokens, d2t/t2d) is served by "
+            "vLLM and llama.cpp only: SGLang cannot load it (its markov_w2 is full-vocabulary) and DeepSpec has no "
+            "draft vocabulary (its lm_head has vocab_size rows). Train without --draft-vocab-size for those.")
+    if EMBEDDING_OUTPUT in config.target_layer_ids:
+        warnings.append("target_layer_ids contains -1 (the embedding output): DeepSpec, vLLM and llama.cpp read it, "
+                        "SGLang refuses negative target layer ids")
+    return warnings
 
 
 def deepspec_config(drafter: DSparkDraftModel | Eagle3DraftModel, target=None) -> dict:
@@ -371,22 +473,33 @@ def deepspec_config(drafter: DSparkDraftModel | Eagle3DraftModel, target=None) -
     common["attention_bias"] = config.attention_bias
     common["torch_dtype"] = str(next(drafter.parameters()).dtype).replace("torch.", "")
     if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
-        return {**base, **common, "architectures": [EAGLE3_ARCHITECTURE], "ttt_length": config.block_size,
-                "draft_num_hidden_layers": config.num_hidden_layers,
-                # vLLM's eagle3 reads the capture indices (HF hidden_states indices: layer id + 1).
-                "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids]}
-    rank = config.markov_rank if config.markov_head is not None else 0
+        fields = {"architectures": [EAGLE3_ARCHITECTURE], "ttt_length": config.block_size,
+                  "draft_num_hidden_layers": config.num_hidden_layers,
+                  # vLLM's eagle3 reads the capture indices (HF hidden_states indices: layer id + 1).
+                  "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids]}
+        return _with_deepspec_fields({**base, **common, **fields}, config, EAGLE3_ARCHITECTURE)
+    rank = config.markov_rank if config.markov_head is not None else 1  # DFlash: the rank-1 zero head
+    head_type = config.markov_head if config.markov_head is not None else "markov"
     fields = {
         "architectures": [DSPARK_ARCHITECTURE],
         "block_size": config.block_size,
         "mask_token_id": config.mask_token_id,
         "enable_confidence_head": bool(config.confidence_head),
         "markov_rank": rank,
+        "markov_head_type": {v: k for k, v in MARKOV_TYPES.items()}[head_type],
         "sample_from_anchor": True,  # slot k predicts anchor + k + 1 (DeepSpec's convention), said explicitly
         "dspark_bonus_anchor": False,
     }
     if config.confidence_head:
-        fields["confidence_head_with_markov"] = rank > 0
-    if rank:
-        fields["markov_head_type"] = {v: k for k, v in MARKOV_TYPES.items()}[config.markov_head]
-    return {**base, **common, **fields}
+        fields["confidence_head_with_markov"] = True  # [h_k ; W1[x_{k-1}]], as ours (the zero head's W1 for DFlash)
+    return _with_deepspec_fields({**base, **common, **fields}, config, DSPARK_ARCHITECTURE)
+
+
+def _with_deepspec_fields(exported: dict, config, architecture: str) -> dict:
+    """Add the DeepSpec fields kept from an import (never overriding what the export wrote), then the defaults of
+    the fields DeepSpec's loader asserts."""
+    for key, value in (getattr(config, "deepspec_fields", None) or {}).items():
+        exported.setdefault(key, value)
+    for key, value in DEEPSPEC_DEFAULTS[architecture].items():
+        exported.setdefault(key, value)
+    return exported
