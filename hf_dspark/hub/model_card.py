@@ -60,21 +60,24 @@ def eval_results_table(results: dict | str | Path, method: str) -> str:
 
 
 def describe_serving(config) -> str:
-    """How the drafter reaches vLLM / SGLang: DeepSpec's layout, when its layers can be written there exactly and
-    those engines implement its heads (the vanilla Markov head, or none)."""
+    """How the drafter reaches vLLM / SGLang / llama.cpp: DeepSpec's layout, when its layers can be written there
+    exactly and those engines implement its heads (the vanilla Markov head, or none: DFlash)."""
     if not getattr(config, "qk_norm", False):
-        return ("Serving at scale: DeepSpec's layout, which vLLM and SGLang load, has Qwen3 layers with per-head q/k "
-                "norms; this drafter (for a " + str(config.target_model_type) + " target) has none, so "
-                "`hf-dspark convert` refuses to export it rather than change its outputs. Serve it with transformers "
-                "(batched: `hf_dspark.generation.SpeculativeEngine`).")
+        return ("Serving at scale: DeepSpec's layout, which vLLM, SGLang and llama.cpp load, has Qwen3 layers with "
+                "per-head q/k norms; this drafter (for a " + str(config.target_model_type) + " target) has none, so "
+                "`hf-dspark convert` refuses to export it rather than change its outputs (a drafter built with "
+                "`qk_norm=True` exports). Serve it with transformers (batched: "
+                "`hf_dspark.generation.SpeculativeEngine`).")
     if served_by_vllm(config):
         return ("Serving at scale: `hf-dspark convert <this folder> <out> --target <target>` writes DeepSpec's layout, "
                 "which vLLM loads with `--speculative-config '{\"method\": \"dspark\", \"model\": \"<out>\", "
                 f"\"num_speculative_tokens\": {config.block_size}, \"enable_adaptive_verification\": true}}'`, "
-                "and SGLang with its DSpark algorithm.")
+                "SGLang with `--speculative-algorithm DSPARK --speculative-draft-model-path <out> "
+                f"--speculative-num-draft-tokens {config.block_size + 1}`, and llama.cpp after "
+                "`convert_hf_to_gguf.py <out> --target-model-dir <target>` (`--spec-type draft-dspark`).")
     return ("Serving at scale: `hf-dspark convert <this folder> <out> --target <target>` writes DeepSpec's layout "
-            "exactly, but vLLM and SGLang implement only DSpark's vanilla Markov head and DFlash from it, so this "
-            "drafter is served with transformers (batched: `hf_dspark.generation.SpeculativeEngine`).")
+            "exactly, but vLLM, SGLang and llama.cpp implement only DSpark's vanilla Markov head and DFlash from it, so "
+            "this drafter is served with transformers (batched: `hf_dspark.generation.SpeculativeEngine`).")
 
 
 def render_model_card(*, kind: str, base_model: str, title: str, summary: str, config, commands: list[str],
