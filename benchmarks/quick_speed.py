@@ -1,6 +1,6 @@
 """Side-by-side check of a drafter on held-out eval prompts: plain greedy vs speculative greedy, same run.
 
-    python benchmarks/quick_speed.py --drafter checkpoints/dspark-smollm2-135m-instruct --dtype float32
+    python benchmarks/quick_speed.py --drafter hf_dspark/checkpoints/dspark-smollm2-135m-instruct --dtype float32
 
 Prints per-prompt tau and identity, then overall tau, tokens/s and the speed-up ratio (time of plain over time of
 speculative on the same prompts, interleaved so machine noise hits both).

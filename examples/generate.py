@@ -15,7 +15,8 @@ from hf_dspark.models.default_target import load_default_target
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--target", default=None, help="causal LM path (default: embedded SmolLM2-135M-Instruct)")
-parser.add_argument("--drafter", default="checkpoints/dspark-smollm2-135m-instruct")
+parser.add_argument("--drafter", default=str(hf_dspark.shipped_drafter_path("dspark")),
+                    help="drafter folder or Hub id (default: the shipped DSpark drafter)")
 parser.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
 parser.add_argument("--max-new-tokens", type=int, default=128)
 args = parser.parse_args()

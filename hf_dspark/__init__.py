@@ -20,6 +20,7 @@ from .models import (
     UserInputError,
 )
 from .models.default_target import default_target_dir, load_default_target
+from .models.loading import shipped_drafter_path
 from .scheduling import DSparkScheduler, VerificationCostTable
 
 __version__ = "0.1.0"
@@ -58,5 +59,6 @@ __all__ = [
     "greedy_verify",
     "load_default_target",
     "rejection_sample",
+    "shipped_drafter_path",
     "UserInputError",
 ]

@@ -1,12 +1,18 @@
-"""Copy a trained drafter into `checkpoints/` in bfloat16, with its training log and summary, and check its size.
+"""Copy a trained drafter into the package data (`hf_dspark/checkpoints/`) in bfloat16, with its training log and
+summary, and check its size.
 
-    python scripts/ship_drafter.py /work/runs/v1/dspark checkpoints/dspark-smollm2-135m-instruct
+    python scripts/ship_drafter.py /work/runs/v1/dspark hf_dspark/checkpoints/dspark-smollm2-135m-instruct
 
-The model card (README.md) in the destination is kept; write it by hand with the exact commands.
+A shipped folder holds config.json, model.safetensors, README.md (the model card), training_log.jsonl and
+training_summary.json only: the modeling code and `custom_generate/` that `save_pretrained` adds are written
+whenever the drafter is saved or pushed (`hf-dspark push`), so no copy of the package's source is kept here.
+The model card in the destination is kept; write it with `scripts/write_cards.py`.
 """
 
 import argparse
+import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -15,6 +21,7 @@ from transformers import AutoModel
 import hf_dspark  # noqa: F401
 
 LIMIT_MB = 40
+SHIPPED_FILES = ("config.json", "model.safetensors", "README.md", "training_log.jsonl", "training_summary.json")
 
 parser = argparse.ArgumentParser()
 parser.add_argument("trained")
@@ -24,13 +31,19 @@ args = parser.parse_args()
 source, destination = Path(args.trained), Path(args.destination)
 drafter = AutoModel.from_pretrained(source, dtype=torch.float32)
 destination.mkdir(parents=True, exist_ok=True)
-for stale in destination.glob("*.safetensors"):
-    stale.unlink()
-drafter.to(torch.bfloat16).save_pretrained(destination)
+for stale in destination.iterdir():
+    if stale.name not in SHIPPED_FILES or stale.name.endswith(".safetensors"):
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+with tempfile.TemporaryDirectory() as staged:
+    drafter.to(torch.bfloat16).save_pretrained(staged)
+    config = json.loads((Path(staged) / "config.json").read_text())
+    config.pop("auto_map", None)  # the remote code is not shipped here; save_pretrained writes both again
+    (destination / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shutil.copy(Path(staged) / "model.safetensors", destination / "model.safetensors")
 for name in ("training_log.jsonl", "training_summary.json"):
     if (source / name).is_file():
         shutil.copy(source / name, destination / name)
-size = sum(p.stat().st_size for p in destination.glob("*.safetensors")) / 2**20
+size = (destination / "model.safetensors").stat().st_size / 2**20
 print(f"{destination}: {size:.1f} MB of weights")
 if size > LIMIT_MB:
     raise SystemExit(f"{destination} is {size:.1f} MB, over the {LIMIT_MB} MB limit")

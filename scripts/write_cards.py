@@ -15,8 +15,7 @@ from transformers import AutoConfig
 
 import hf_dspark  # noqa: F401
 from hf_dspark.hub.model_card import KIND_NAMES, render_model_card
-
-ROOT = Path(__file__).resolve().parents[1]
+from hf_dspark.models.loading import shipped_drafter_path
 CACHE_COMMAND = ("hf-dspark cache --output /work/cache/smollm2-v1 --data data/regenerated/smollm2-sharegpt "
                  "--dataset-answers 1200 --max-length 512")
 COMMON = ("--cache /work/cache/smollm2-v1 --draft-vocab-size 8192 --block-size 7 --batch-size 4 --num-anchors 64 "
@@ -72,7 +71,7 @@ def forward_costs(bench: dict) -> str:
         f"{ratio:.1f}x one decode step in {dtype}" for dtype, ratio in measured.items()) + " (same run),")
 
 for kind, name in KIND_NAMES.items():
-    folder = ROOT / "checkpoints" / f"{kind}-smollm2-135m-instruct"
+    folder = shipped_drafter_path(kind)
     first = json.loads((Path(args.runs) / kind / "training_summary.json").read_text())
     summary = json.loads((folder / "training_summary.json").read_text())
     rows = ["| setting | tokens/s | speed-up vs plain | tau | per-slot acceptance | identical to plain greedy |",
@@ -120,7 +119,7 @@ for kind, name in KIND_NAMES.items():
         shipped_from = f"{folder_name}/{kind}"
     hours = (given_seconds(first) + sum(budgets)) / 3600
     version = f"{stages[-1][0] if stages else 'v1'}: {hours:.1f} hours of training on shared CPU cores"
-    commands.append(f"python scripts/ship_drafter.py {shipped_from} checkpoints/{kind}-smollm2-135m-instruct")
+    commands.append(f"python scripts/ship_drafter.py {shipped_from} hf_dspark/checkpoints/{kind}-smollm2-135m-instruct")
     card = render_model_card(
         kind=kind, base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
         title=f"{name} drafter for SmolLM2-135M-Instruct ({version})",

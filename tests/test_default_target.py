@@ -2,7 +2,6 @@
 DSpark drafter: float32 greedy output identical to plain greedy, and sampling runs through the same path."""
 
 import json
-from pathlib import Path
 
 import torch
 from transformers import AutoModel
@@ -12,7 +11,7 @@ from hf_dspark.evaluation import benchmark_path
 from hf_dspark.models.default_target import load_default_target
 from hf_dspark.training.regenerate import chat_prompt_ids
 
-SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "dspark-smollm2-135m-instruct"
+SHIPPED = hf_dspark.shipped_drafter_path("dspark")
 
 
 def test_shipped_drafter_is_lossless_on_the_default_target():

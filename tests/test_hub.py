@@ -19,7 +19,7 @@ from hf_dspark.hub.push import push_drafter, stage_drafter
 from conftest import tiny_drafter, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "checkpoints" / "dspark-smollm2-135m-instruct"
+SHIPPED = hf_dspark.shipped_drafter_path("dspark")
 EVAL_RESULTS = ROOT / "benchmarks" / "eval-v1" / "results.json"
 
 # Runs in a fresh interpreter where `import hf_dspark` fails: only transformers' remote-code loading can help.
@@ -131,15 +131,28 @@ def test_custom_generate_samples_exactly_like_hf_dspark(saved, tmp_path):
     assert remote["spec"] == ours[0].tolist()
 
 
+def test_shipped_folders_hold_no_code():
+    """The shipped drafters are config, weights, card and training log: save_pretrained writes the code."""
+    for kind in ("dspark", "dflash", "eagle3"):
+        folder = hf_dspark.shipped_drafter_path(kind)
+        assert sorted(p.name for p in folder.iterdir()) == sorted(
+            ["config.json", "model.safetensors", "README.md", "training_log.jsonl", "training_summary.json"])
+        assert "auto_map" not in json.loads((folder / "config.json").read_text())
+
+
 def test_shipped_drafter_runs_on_stock_transformers(tmp_path):
-    """The real default target and the shipped DSpark drafter, with hf_dspark absent: accepted drafts, same text."""
+    """The real default target and the shipped DSpark drafter, saved by hf_dspark and then run with hf_dspark
+    absent: accepted drafts, same text."""
     from transformers import AutoTokenizer
 
+    saved = tmp_path / "saved-dspark"
+    hf_dspark.DSparkDraftModel.from_pretrained(SHIPPED).save_pretrained(saved)
+    assert (saved / "modeling_dspark.py").is_file() and (saved / "custom_generate" / "generate.py").is_file()
     target_dir = hf_dspark.default_target_dir()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 times 12?"}],
                                         add_generation_prompt=True, tokenize=True, return_dict=False)
-    result = run_without_hf_dspark(tmp_path, SHIPPED, target_dir, list(ids), 40)
+    result = run_without_hf_dspark(tmp_path, saved, target_dir, list(ids), 40)
     assert result["spec"] == result["plain"]
     assert result["accepted"] > 0
 
@@ -161,7 +174,7 @@ def test_model_cards_have_valid_metadata_and_results(tmp_path):
         assert f"| {benchmark} | {numbers['prompts']} | {numbers['tau']} | {numbers['speedup']}x |" in card
     assert results["command"] in card and "Hardware:" in card
     for kind in ("dspark", "dflash", "eagle3"):
-        shipped = _front_matter((ROOT / "checkpoints" / f"{kind}-smollm2-135m-instruct" / "README.md").read_text())
+        shipped = _front_matter((hf_dspark.shipped_drafter_path(kind) / "README.md").read_text())
         assert shipped["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and kind in shipped["tags"]
     with pytest.raises(ValueError, match="base_model"):
         default_model_card(drafter.config)
@@ -236,19 +249,3 @@ def test_stage_drafter_writes_loadable_folder(saved, tmp_path):
     again = hf_dspark.DSparkDraftModel.from_pretrained(staged)
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(tensor, again.state_dict()[name])
-
-
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
-def test_shipped_folders_carry_the_current_code(kind):
-    """The code copied into each shipped drafter is today's source (re-run scripts/ship_drafter.py after edits)."""
-    from hf_dspark.hub.remote_code import flatten_imports, module_closure
-
-    folder = ROOT / "checkpoints" / f"{kind}-smollm2-135m-instruct"
-    models = ROOT / "hf_dspark" / "models"
-    for copy in folder.glob("*.py"):
-        assert copy.read_text() == (models / copy.name).read_text(), f"{copy} is stale"
-    copies = {p.name for p in (folder / "custom_generate").glob("*.py")} - {"generate.py"}
-    assert copies == {m.name for m in module_closure()}
-    for module in module_closure():
-        assert (folder / "custom_generate" / module.name).read_text() == flatten_imports(module.read_text()), (
-            f"{folder}/custom_generate/{module.name} is stale")

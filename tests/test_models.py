@@ -346,7 +346,7 @@ def test_missing_fields_that_change_outputs_are_refused(tmp_path, kind, field):
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
 def test_shipped_checkpoints_carry_every_required_field_and_load(kind):
-    folder = os.path.join(os.path.dirname(__file__), "..", "checkpoints", f"{kind}-smollm2-135m-instruct")
+    folder = hf_dspark.shipped_drafter_path(kind)
     config = json.loads(open(os.path.join(folder, "config.json")).read())
     drafter = AutoModel.from_pretrained(folder)
     for field in type(drafter.config).required_saved_fields:

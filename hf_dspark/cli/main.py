@@ -92,6 +92,11 @@ def cmd_profile(args) -> int:
 
 
 def cmd_train(args) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise UserInputError("hf-dspark train runs transformers' Trainer, which needs accelerate: install it with "
+                             "pip install 'hf-dspark[train]' (or pip install accelerate).")
     from hf_dspark.training.recipes import train_drafter
 
     torch.set_num_threads(args.threads or torch.get_num_threads())

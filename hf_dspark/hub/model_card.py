@@ -1,4 +1,4 @@
-"""Model cards for drafters, rendered from the templates in the repository's `model_cards/` folder (YAML metadata
+"""Model cards for drafters, rendered from the template in `hf_dspark/hub/templates/` (YAML metadata
 + the facts a user needs: config, exact training commands, data, time, measured acceptance and speed)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from ..models.common import drafter_kind
 from .convert import served_by_vllm
 
-TEMPLATE = Path(__file__).parent / "templates" / "drafter_card.md"  # templates -> the repository's model_cards/
+TEMPLATE = Path(__file__).parent / "templates" / "drafter_card.md"  # package data
 KIND_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 NOT_RECORDED = "Not recorded for this checkpoint."
 

@@ -3,7 +3,7 @@
 The uploaded folder is what `save_pretrained` writes (config, safetensors, the modeling code with `auto_map`, and
 `custom_generate/`) plus a `README.md` card: the card given, else the one in the folder the drafter was loaded
 from, else one rendered from
-`model_cards/drafter_card.md`; `eval_results` (an `hf-dspark eval` results.json) replaces its Measured section.
+`hf_dspark/hub/templates/drafter_card.md`; `eval_results` (an `hf-dspark eval` results.json) replaces its Measured section.
 """
 
 from __future__ import annotations

@@ -490,7 +490,7 @@ class DraftPreTrainedModel(PreTrainedModel):
         Args:
             repo_id: `org/name` of the model repository (created if missing).
             card: model card text; default: the card of the folder the drafter was loaded from, else one rendered
-                from `model_cards/drafter_card.md` (then `base_model`, the target's Hub id, is required).
+                from `hf_dspark/hub/templates/drafter_card.md` (then `base_model`, the target's Hub id, is required).
             eval_results: an `hf-dspark eval` results.json (path or dict) whose numbers fill the card's results.
         """
         try:

@@ -1,10 +1,13 @@
 """Loading a target and drafters by path or by default: the embedded SmolLM2 target and the drafters shipped for
-it in the repository's `checkpoints/`. Shared by the CLI, the evaluation harness and the benchmarks."""
+it as package data (`hf_dspark/checkpoints/`, found with importlib.resources, so an installed copy finds them with
+no repository beside it). Shared by the CLI, the evaluation harness and the benchmarks."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -12,7 +15,10 @@ import torch
 from .common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, UserInputError, drafter_type
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SHIPPED_CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
+SHIPPED_KINDS = ("dspark", "dflash", "eagle3")
+SHIPPED_CHECKPOINTS = Path(os.fspath(resources.files("hf_dspark") / "checkpoints"))
+"""The shipped drafter folders (config.json, model.safetensors, model card, training log and summary; the remote
+code and `custom_generate/` are written by `save_pretrained` / `hf-dspark push`, not stored here)."""
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -73,11 +79,14 @@ def load_target(path: str | None, dtype: str):
 
 
 def shipped_drafter_path(kind: str = "dspark") -> Path:
-    """The drafter for the embedded default target that ships in this repository's `checkpoints/`."""
+    """The folder of the drafter shipped for the embedded default target (SmolLM2-135M-Instruct): `kind` is
+    "dspark", "dflash" or "eagle3". It is package data, so it is found from an installed copy too."""
+    if kind not in SHIPPED_KINDS:
+        raise UserInputError(f"no shipped {kind!r} drafter; shipped kinds are {', '.join(SHIPPED_KINDS)}.")
     path = SHIPPED_CHECKPOINTS / f"{kind}-smollm2-135m-instruct"
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no shipped {kind} drafter at {path} (it ships with the hf_dspark repository); "
-                                "pass --drafter PATH")
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"no shipped {kind} drafter at {path}: this hf_dspark installation lacks its package "
+                                "data (hf_dspark/checkpoints/); reinstall hf_dspark, or pass --drafter PATH")
     return path
 
 
