@@ -6,6 +6,8 @@
 
 from transformers import AutoConfig, AutoModel
 
+from . import hub  # noqa: F401  (installs the save/push hooks of the drafters)
+from ._version import __version__
 from .generation import SpeculativeDecoderOnlyOutput, SpeculativeStats, greedy_verify, rejection_sample
 from .generation.integration import install_generate_hooks
 from .models import (
@@ -22,8 +24,6 @@ from .models import (
 from .models.default_target import default_target_dir, load_default_target
 from .models.loading import shipped_drafter_path
 from .scheduling import DSparkScheduler, VerificationCostTable
-
-__version__ = "0.1.0"
 
 AutoConfig.register(DSparkDraftConfig.model_type, DSparkDraftConfig, exist_ok=True)
 AutoConfig.register(Eagle3DraftConfig.model_type, Eagle3DraftConfig, exist_ok=True)

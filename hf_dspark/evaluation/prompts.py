@@ -20,11 +20,20 @@ if TYPE_CHECKING:
     import torch
 
 
+def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """Token ids of a user prompt (or a whole conversation of `{"role", "content"}` messages) in the tokenizer's
+    chat template, ready for the assistant's answer. Training data (`hf-dspark regenerate`) and evaluation prompts
+    are both built with it."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def chat_input_ids(tokenizer, messages: list[dict]) -> torch.LongTensor:
     """The chat-templated (1, L) prompt tensor `generate` takes, built exactly as the training data was."""
     import torch
-
-    from ..training.regenerate import chat_prompt_ids
 
     return torch.tensor([chat_prompt_ids(tokenizer, messages)])
 

@@ -93,7 +93,7 @@ def flatten_imports(source: str) -> str:
 
 def write_custom_generate(folder: str | Path) -> Path:
     """Write `folder/custom_generate/` (generate.py, the copied modules, requirements.txt) and return its path."""
-    from .. import __version__
+    from .._version import __version__
     from ..models.common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE
 
     modules = module_closure()

@@ -3,12 +3,12 @@ context K/V cache, and the base class that binds a drafter to the frozen embeddi
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import numbers
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
@@ -294,6 +294,34 @@ def attend(
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Hub hooks: what save_pretrained / push_to_hub do beyond stock transformers, installed from above (hf_dspark.hub)
+# --------------------------------------------------------------------------------------------------------------
+
+
+class HubHooks:
+    """Set by `hf_dspark.hub` when `import hf_dspark` runs, so that this module never imports the hub layer:
+    `save_extras(folder)` writes what stock transformers needs besides the modeling code (`custom_generate/`), and
+    `push(drafter, repo_id, **options)` uploads with a model card. Both stay None in a copy of this module loaded
+    as remote code without hf_dspark, which then saves and pushes as stock transformers does."""
+
+    save_extras: Callable[[str | Path], Any] | None = None
+    push: Callable[..., Any] | None = None
+
+
+def install_hub_hooks(*, save_extras: Callable[[str | Path], Any], push: Callable[..., Any]) -> None:
+    HubHooks.save_extras, HubHooks.push = save_extras, push
+
+
+def _hub_hooks() -> type[HubHooks]:
+    """These hooks, or those of hf_dspark itself when this module is a remote-code copy and hf_dspark is loaded."""
+    if HubHooks.save_extras is None and __name__ != "hf_dspark.models.common":
+        installed = sys.modules.get("hf_dspark.models.common")
+        if installed is not None and getattr(installed, "HubHooks", None) is not None:
+            return installed.HubHooks
+    return HubHooks
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Base class
 # --------------------------------------------------------------------------------------------------------------
 
@@ -471,13 +499,12 @@ class DraftPreTrainedModel(PreTrainedModel):
         upload = kwargs.pop("push_to_hub", False)
         repo_id = kwargs.pop("repo_id", None) or str(save_directory).rstrip("/").split("/")[-1]
         super().save_pretrained(save_directory, *args, **kwargs)
-        try:
-            remote_code = importlib.import_module("hf_dspark.hub.remote_code")
-        except ImportError:  # this class was itself loaded as remote code, without hf_dspark
-            logger.warning("hf_dspark is not installed: %s gets no custom_generate/ folder", save_directory)
-        else:
-            if kwargs.get("is_main_process", True):
-                remote_code.write_custom_generate(save_directory)
+        hooks = _hub_hooks()
+        if hooks.save_extras is None:  # this class was itself loaded as remote code, without hf_dspark
+            logger.warning("hf_dspark is not loaded: %s gets no custom_generate/ folder (import hf_dspark first)",
+                           save_directory)
+        elif kwargs.get("is_main_process", True):
+            hooks.save_extras(save_directory)
         if upload:
             self.push_to_hub(repo_id, token=kwargs.get("token"))
 
@@ -493,16 +520,14 @@ class DraftPreTrainedModel(PreTrainedModel):
                 from `hf_dspark/hub/templates/drafter_card.md` (then `base_model`, the target's Hub id, is required).
             eval_results: an `hf-dspark eval` results.json (path or dict) whose numbers fill the card's results.
         """
-        try:
-            push = importlib.import_module("hf_dspark.hub.push")
-        except ImportError:  # loaded as remote code without hf_dspark: the stock upload (no card rendering)
+        push = _hub_hooks().push
+        if push is None:  # loaded as remote code without hf_dspark: the stock upload (no card rendering)
             return super().push_to_hub(repo_id, private=private, token=token, commit_message=commit_message,
                                        revision=revision, create_pr=create_pr, **kwargs)
         if kwargs:
             raise TypeError(f"push_to_hub() got options hf_dspark's upload does not take: {sorted(kwargs)}")
-        return push.push_drafter(self, repo_id, card=card, base_model=base_model, eval_results=eval_results,
-                                 private=private, token=token, commit_message=commit_message, revision=revision,
-                                 create_pr=create_pr)
+        return push(self, repo_id, card=card, base_model=base_model, eval_results=eval_results, private=private,
+                    token=token, commit_message=commit_message, revision=revision, create_pr=create_pr)
 
     # -- target binding -------------------------------------------------------------------------------------
 

@@ -9,10 +9,18 @@ on. Store the result in `drafter.config.confidence_temperatures`; generation app
 from __future__ import annotations
 
 import math
+from typing import Protocol, Sequence
 
 import torch
 
-from ..generation.stats import SpeculativeStats
+
+class RoundRecords(Protocol):
+    """Per-round records of a generation (`hf_dspark.generation.SpeculativeStats` is one): the drafter's confidence
+    per drafted slot and how many drafts were accepted. Named by its shape, so that scheduling, below generation,
+    does not import it."""
+
+    confidences: Sequence[Sequence[float]]
+    accepted: Sequence[int]
 
 DEFAULT_GRID = tuple(round(0.25 * 1.1**i, 4) for i in range(40))  # 0.25 .. ~10
 
@@ -31,7 +39,7 @@ def expected_calibration_error(predicted: torch.Tensor, outcome: torch.Tensor, b
     return error / predicted.numel()
 
 
-def survival_pairs(stats: SpeculativeStats, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+def survival_pairs(stats: RoundRecords, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(recorded confidences c_1..c_{slot+1} as logits (N, slot+1), whether those slots were all accepted (N,)),
     over rounds that drafted slot `slot` (0-based)."""
     logits, outcome = [], []
@@ -45,7 +53,7 @@ def survival_pairs(stats: SpeculativeStats, slot: int) -> tuple[torch.Tensor, to
     return torch.stack(logits), torch.tensor(outcome, dtype=torch.float64)
 
 
-def fit_sequential_temperatures(stats: SpeculativeStats, block_size: int, grid=DEFAULT_GRID,
+def fit_sequential_temperatures(stats: RoundRecords, block_size: int, grid=DEFAULT_GRID,
                                 bins: int = 10) -> list[float]:
     """STS from generation records made with unscaled confidences (`confidence_temperatures=None`). Slots never
     reached keep temperature 1."""

@@ -27,6 +27,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..evaluation.prompts import chat_prompt_ids  # noqa: F401  (prompt building lives in evaluation; re-exported)
+
 MANIFEST = "manifest.json"
 
 
@@ -71,16 +73,6 @@ class RegenerationConfig:
             raise ValueError(f"greedy_fraction must be in [0, 1], got {self.greedy_fraction}.")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.max_turns < 1:
             raise ValueError("max_new_tokens, batch_size and max_turns must be at least 1.")
-
-
-def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
-    """Token ids of a user prompt (or a whole conversation of `{"role", "content"}` messages) in the tokenizer's
-    chat template, ready for the assistant's answer."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def next_turn_ids(tokenizer, messages: list[dict], answer_ids: list[int], eos_ids: set[int], user_turn: str
