@@ -115,7 +115,7 @@ def assert_matches(counts: torch.Tensor, probs: torch.Tensor, biased: torch.Tens
     return expected_statistic(biased, probs, samples) / bound
 
 
-@pytest.mark.parametrize("kind", ["markov", "eagle3", "markov-scheduled"])
+@pytest.mark.parametrize("kind", ["markov", "eagle3", "markov-scheduled", "markov-suffix", "eagle3-suffix"])
 def test_generate_sampling_matches_target_distribution(kind):
     target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None, bos_token_id=None)
     drafter = tiny_drafter(target, kind.split("-")[0], block_size=3)
@@ -123,6 +123,12 @@ def test_generate_sampling_matches_target_distribution(kind):
         # The first slot is drafted only when its predicted survival is at least 0.515, a choice that differs
         # between anchors: the length varies with c_1 and must not bias what is emitted.
         drafter.verification_costs = VerificationCostTable([1.0, 1.515])
+        drafter.round_planning = False  # this checks the confidence schedule's length, drafted every round
+    # Suffix drafting: with drafting priced far above a verification forward, x2 is drafted by a one-hot suffix
+    # proposal whenever x1 occurred in the prompt, and otherwise not drafted at all (a plain step).
+    drafter.suffix_drafting = kind.endswith("suffix")
+    if drafter.suffix_drafting:
+        drafter.verification_costs = VerificationCostTable([1.0, 1.0], draft_seconds=5.0)
     ids = torch.tensor([[1, 4, 2, 5]])
     temperature, top_p = 0.7, 0.9
     joint = exact_three_token_distribution(target, ids, temperature, top_p)
@@ -132,7 +138,7 @@ def test_generate_sampling_matches_target_distribution(kind):
     torch.manual_seed(2024)
     samples = 2500
     counts = torch.zeros(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB)
-    rounds_with_accepts, drafted_rounds = 0, 0
+    rounds_with_accepts, drafted_rounds, suffix_rounds = 0, 0, 0
     for _ in range(samples):
         # x1 comes from the prefill; x2 is a drafted slot (accepted or resampled); x3 a correction or bonus.
         out = target.generate(
@@ -142,12 +148,17 @@ def test_generate_sampling_matches_target_distribution(kind):
         x1, x2, x3 = out[0, -3:].tolist()
         counts[x1, x2, x3] += 1
         stats = drafter.last_generation_stats
-        assert stats.draft_lengths[0] == 1 or kind.endswith("scheduled")
+        assert stats.draft_lengths[0] == 1 or kind.endswith(("scheduled", "suffix"))
         drafted_rounds += stats.draft_lengths[0]
         rounds_with_accepts += stats.accepted[0]
+        suffix_rounds += stats.sources[0] == "suffix"
     assert 0.05 * drafted_rounds < rounds_with_accepts < 0.95 * drafted_rounds  # both accept and reject paths ran
     if kind.endswith("scheduled"):
         assert 0.05 * samples < drafted_rounds < 0.95 * samples  # the schedule both drafted and declined
+    if kind.endswith("suffix"):
+        assert 0.05 * samples < suffix_rounds < 0.95 * samples  # suffix and drafter proposals both ran
+    else:
+        assert suffix_rounds == 0
 
     power = [
         assert_matches(counts.sum(2), joint.sum(2), biased.sum(2), samples),  # (x1, x2)

@@ -49,6 +49,7 @@ def test_planner_prices_plain_steps_suffix_proposals_and_the_drafter():
     planner = RoundPlanner(costs, has_confidences=True, statistics=statistics, probe_every=4)
     assert planner.choose([], 0) == ("drafter", 0)  # never measured: run it
     planner.record_drafter([0.3, 0.2])  # expected 1.36 tokens for 0.5 + 2.0 seconds: worse than a plain step
+    assert statistics.drafter_rate == pytest.approx(1.36 / 2.5)
     assert planner.choose([], 0) == ("none", 0)
     # 7 tokens at 0.9 each: 1 + 0.9 + ... + 0.9^7 = 5.7 tokens for 2 seconds beats one token per second.
     assert planner.choose([4, 5, 6, 7, 8, 9, 10], 3) == ("suffix", 7)

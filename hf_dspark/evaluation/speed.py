@@ -9,6 +9,7 @@ for greedy decoding, how many outputs are identical to plain greedy.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -36,10 +37,22 @@ class MethodResult:
     compared: int = 0
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
     by_benchmark: dict[str, SpeculativeStats] = field(default_factory=dict)
+    prompt_rates: list[float] = field(default_factory=list)
 
-    def summary(self, plain_rate: float | None) -> dict:
+    def summary(self, plain_rate: float | None, plain_prompt_rates: list[float] | None = None) -> dict:
         rate = self.tokens / self.seconds if self.seconds else float("nan")
         out = {"tokens_per_s": round(rate, 2), "speedup": round(rate / plain_rate, 3) if plain_rate else None}
+        if plain_prompt_rates:
+            # Each prompt against plain decoding of the same prompt, measured beside it.
+            ratios = [mine / plain for mine, plain in zip(self.prompt_rates, plain_prompt_rates)]
+            out["speedup_by_prompt"] = [round(r, 3) for r in ratios]
+            out["speedup_geomean"] = round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 3)
+            out["speedup_min"] = round(min(ratios), 3)
+        if self.stats.num_rounds:
+            out["rounds_by_source"] = {source: self.stats.count(source) for source in ("drafter", "suffix", "none")}
+            drafter_only = self.stats.only("drafter")
+            if drafter_only.num_rounds:
+                out["drafter_round_tau"] = round(drafter_only.tau, 3)
         if self.stats.num_rounds:
             out.update(acceptance_summary(self.stats))
             out["tau_by_benchmark"] = {k: round(v.tau, 3) for k, v in self.by_benchmark.items()}
@@ -73,6 +86,7 @@ def run_speed_benchmark(target, tokenizer, drafters: dict, prompts: list[tuple[s
             result = results[method]
             result.tokens += new.numel()
             result.seconds += seconds
+            result.prompt_rates.append(new.numel() / seconds)
             if method in drafters:
                 stats = drafters[method].last_generation_stats
                 result.stats = result.stats.merge(stats)
@@ -85,18 +99,23 @@ def run_speed_benchmark(target, tokenizer, drafters: dict, prompts: list[tuple[s
                            if temperature == 0 else {})}))
     plain = results[PLAIN]
     plain_rate = plain.tokens / plain.seconds
-    return {m: results[m].summary(plain_rate) for m in methods}
+    return {m: results[m].summary(plain_rate, plain.prompt_rates) for m in methods}
 
 
 def markdown_table(summaries: dict, title: str) -> str:
-    lines = [f"### {title}", "", "| method | tokens/s | speed-up | tau | mean draft | per-slot acceptance | "
-             "identical to plain | round time: verify / backbone / seq. head / drafting |", "|---" * 8 + "|"]
+    lines = [f"### {title}", "", "| method | tokens/s | speed-up | per prompt: geomean / min | tau | mean draft | "
+             "rounds: drafter / suffix / plain | per-slot acceptance | identical to plain | "
+             "round time: verify / backbone / seq. head / drafting |", "|---" * 10 + "|"]
     for method, s in summaries.items():
         share = s.get("time_share", {})
         shares = " / ".join(f"{share[k]:.2f}" if k in share else "-"
                             for k in ("verification", "backbone", "sequential_head", "drafting"))
         slots = ", ".join("-" if x is None else f"{x:.2f}" for x in s.get("acceptance_by_slot", []))
         tau, draft = (f"{s['tau']:.3f}", f"{s['mean_draft_length']:.2f}") if "tau" in s else ("-", "-")
-        lines.append(f"| {method} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {tau} | {draft} | {slots or '-'} | "
-                     f"{s.get('identical_to_plain', '-')} | {shares if share else '-'} |")
+        per_prompt = (f"{s['speedup_geomean']:.2f}x / {s['speedup_min']:.2f}x" if method != PLAIN and "speedup_min" in s
+                      else "-")
+        sources = s.get("rounds_by_source")
+        rounds = " / ".join(str(sources[k]) for k in ("drafter", "suffix", "none")) if sources else "-"
+        lines.append(f"| {method} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {per_prompt} | {tau} | {draft} | "
+                     f"{rounds} | {slots or '-'} | {s.get('identical_to_plain', '-')} | {shares if share else '-'} |")
     return "\n".join(lines) + "\n"

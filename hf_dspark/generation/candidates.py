@@ -85,9 +85,11 @@ class DraftCandidateGenerator(CandidateGenerator):
         proposal, match = self.suffix.propose(budget) if self.suffix is not None else ([], 0)
         if proposal:
             self._watched.append((len(self.suffix.tokens), proposal, match))
-        started = time.perf_counter()
-        source, length = self.planner.choose(proposal, match)
-        self.stats.add_seconds("planning", time.perf_counter() - started)
+        source, length = DRAFTER, 0
+        if self.drafter.round_planning:
+            started = time.perf_counter()
+            source, length = self.planner.choose(proposal, match)
+            self.stats.add_seconds("planning", time.perf_counter() - started)
         if source == SUFFIX:
             self._round_source = SUFFIX
             return self._suffix_candidates(input_ids, proposal[:length])

@@ -152,9 +152,9 @@ def speculative_decoding(
             streamer.put(sequence[:, sequence.shape[1] - j - 1 :].cpu())
         # The cache holds every position but the newest token, as after plain decoding.
         cache.crop(-(cache.get_seq_length() - (sequence.shape[1] - 1)))
+        generator.extend_text(sequence[:, emitted_from:])  # also scores the last proposals for later calls
         if finished:
             break
-        generator.extend_text(sequence[:, emitted_from:])
 
         candidates, draft_logits = generator.get_candidates(sequence, model_outputs=outputs, n_last_matches=num_accepted)
         draft_tokens = candidates[:, sequence.shape[1] :]

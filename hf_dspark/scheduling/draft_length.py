@@ -49,46 +49,51 @@ class RoundPlanner:
     * no draft (a plain decoding step): 1 token for a one-token forward;
     * a suffix proposal of m tokens (`SuffixIndex`): `SuffixAcceptance.expected_tokens(n, m)` for a forward over
       m + 1 tokens, with the best m up to the proposal's length;
-    * the drafter's block: the expected tokens of its recent rounds (from their confidences,
-      1 + c_1 + c_1 c_2 + ... over the slots it verified, or from their accepted counts without a confidence head)
-      for the drafting cost plus a forward over those slots + 1.
+    * the drafter's block: the smoothed rate of its recent rounds, each its expected tokens (from its confidences,
+      1 + c_1 + c_1 c_2 + ... over the slots it verified, or its accepted count without a confidence head) over
+      the drafting cost plus a forward over those slots + 1.
 
     Costs come from the `VerificationCostTable`; without one every forward costs the same and drafting nothing (a
     GPU-like machine), so the drafter or a suffix proposal always beats a plain step. A drafter that has not run
     for `probe_every` rounds runs once to refresh its estimate. Whatever is chosen, the verifier's rule keeps the
-    output exactly the target's: the choice depends on earlier rounds, never on this round's drafts.
+    output exactly the target's: the choice depends on earlier rounds, never on this round's drafts. A proposal is
+    preferred to a plain step only when it promises `margin` times its rate (estimates err; the plain step's cost
+    is measured).
     """
 
     def __init__(self, cost_table: VerificationCostTable | None, has_confidences: bool, statistics: "ProposalStatistics",
-                 probe_every: int = 16, smoothing: float = 0.5):
+                 probe_every: int = 16, smoothing: float = 0.5, margin: float = 1.05):
         self.cost_table, self.has_confidences, self.statistics = cost_table, has_confidences, statistics
-        self.probe_every, self.smoothing = probe_every, smoothing
-        self.rounds_without_drafter = 0
+        self.probe_every, self.smoothing, self.margin = probe_every, smoothing, margin
 
     def forward_seconds(self, num_tokens: int) -> float:
         if self.cost_table is None:
             return 1.0
         return self.cost_table.padded_round_seconds(num_tokens) - self.cost_table.draft_seconds
 
-    def drafter_rate(self) -> float:
-        expected = self.statistics.drafter_expected
-        if expected is None:
-            return float("inf")  # never measured: run it
+    def round_rate(self, expected: float, num_tokens: int) -> float:
+        """Expected tokens per second of a drafter round verifying `num_tokens` tokens."""
         draft_seconds = self.cost_table.draft_seconds if self.cost_table is not None else 0.0
-        return expected / (draft_seconds + self.forward_seconds(self.statistics.drafter_tokens))
+        return expected / (draft_seconds + self.forward_seconds(num_tokens))
+
+    def drafter_rate(self) -> float:
+        rate = self.statistics.drafter_rate
+        return float("inf") if rate is None else rate  # never measured: run it
 
     def choose(self, proposal: list[int], match_length: int) -> tuple[str, int]:
         """(DRAFTER | SUFFIX | NO_DRAFT, suffix tokens to verify)."""
-        best, source, length = 1.0 / self.forward_seconds(1), NO_DRAFT, 0
+        # A proposal must beat a plain step by `margin`: its rate is an estimate, and a plain step's is measured.
+        best, source, length = self.margin / self.forward_seconds(1), NO_DRAFT, 0
         if self.cost_table is None:
             best = 0.0  # flat costs: any proposal is worth verifying
         for m in range(1, len(proposal) + 1):
             rate = self.statistics.suffix.expected_tokens(match_length, m) / self.forward_seconds(m + 1)
             if rate > best:
                 best, source, length = rate, SUFFIX, m
-        if self.drafter_rate() > best or self.rounds_without_drafter + 1 >= self.probe_every:
+        statistics = self.statistics
+        if self.drafter_rate() > best or statistics.rounds_without_drafter + 1 >= self.probe_every:
             source, length = DRAFTER, 0
-        self.rounds_without_drafter = 0 if source == DRAFTER else self.rounds_without_drafter + 1
+        statistics.rounds_without_drafter = 0 if source == DRAFTER else statistics.rounds_without_drafter + 1
         return source, length
 
     def record_drafter(self, confidences: list[float]) -> None:
@@ -106,12 +111,12 @@ class RoundPlanner:
             self._smooth(1.0 + num_accepted, num_drafted + 1)
 
     def _smooth(self, expected: float, num_tokens: int) -> None:
-        statistics = self.statistics
-        statistics.drafter_tokens = num_tokens
-        if statistics.drafter_expected is None:
-            statistics.drafter_expected = expected
+        """Smooth the rate of the drafter's rounds (each priced at its own size: the schedule varies it)."""
+        statistics, rate = self.statistics, self.round_rate(expected, num_tokens)
+        if statistics.drafter_rate is None:
+            statistics.drafter_rate = rate
         else:
-            statistics.drafter_expected += self.smoothing * (expected - statistics.drafter_expected)
+            statistics.drafter_rate += self.smoothing * (rate - statistics.drafter_rate)
 
 
 @dataclass
@@ -125,8 +130,8 @@ class SuffixAcceptance:
     """
 
     prior_accepted: float = 1.0
-    prior_rejected: float = 2.0
-    decay: float = 0.97
+    prior_rejected: float = 3.0
+    decay: float = 0.9
     accepted: dict[int, float] = field(default_factory=dict)
     reached: dict[int, float] = field(default_factory=dict)
 
@@ -149,9 +154,9 @@ class SuffixAcceptance:
 @dataclass
 class ProposalStatistics:
     """What earlier rounds taught about each proposer, kept on the drafter (`drafter.proposal_statistics`) so that
-    later `generate()` calls start from it: suffix acceptance per match length, and the drafter's smoothed expected
-    tokens per round with the forward size of its latest round."""
+    later `generate()` calls start from it: suffix acceptance per match length, the drafter's smoothed expected
+    tokens per second, and the rounds since the drafter last ran (so short generations still probe it)."""
 
     suffix: SuffixAcceptance = field(default_factory=SuffixAcceptance)
-    drafter_expected: float | None = None
-    drafter_tokens: int = 1
+    drafter_rate: float | None = None
+    rounds_without_drafter: int = 0
