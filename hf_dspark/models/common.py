@@ -358,6 +358,11 @@ class DraftPreTrainedModel(PreTrainedModel):
         as many tokens as maximise expected tokens per second (`ThroughputDraftLength`); at batch 1 each round
         also skips the drafter when, by the recent rounds, a plain step or a suffix proposal pays more
         (`RoundPlanner`)."""
+        self.round_planning: bool = True
+        """Batch 1: decide each round, before drafting and from earlier rounds only, whether the drafter's block, a
+        suffix proposal (`suffix_drafting`) or no draft (a plain step, priced with `verification_costs`) promises
+        the most tokens per second (`RoundPlanner`). False runs the drafter every round (the confidence schedule
+        still sets its length)."""
         self.suffix_drafting: bool = bool(getattr(config, "suffix_drafting", False))
         """Batch 1: also propose suffix matches over the prompt and the text so far, and verify whichever proposal
         promises more tokens per second (lossless). Set False to measure the drafter alone."""
@@ -552,6 +557,16 @@ class DraftPreTrainedModel(PreTrainedModel):
                     f"target's features and shares its embedding and LM head. Move it with drafter.to({str(theirs)!r})."
                 )
         self._target_heads = _TargetHeads(embedding, lm_head)
+
+    def get_input_embeddings(self) -> None:
+        """None: the drafter owns no embedding (it uses its target's, see `attach_target`). Said explicitly because
+        transformers' default raises, and FSDP2 preparation (accelerate) asks for it to shard the embedding apart;
+        the target's frozen embedding and LM head must stay out of the drafter's sharding."""
+        return None
+
+    def get_output_embeddings(self) -> None:
+        """None: the drafter owns no LM head (its target's is shared, not a drafter parameter)."""
+        return None
 
     @property
     def target_heads(self) -> _TargetHeads:

@@ -82,12 +82,17 @@ def dspark_loss(
     kl_weight: float = 0.0,
     decay: float = 4.0,
     draft_to_target: torch.Tensor | None = None,
+    total_weight: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """All inputs are per supervised slot: draft_logits (N, V_draft), target logits (N, V) or a
     `TargetDistribution`, labels (N,) target ids,
-    slot_index (N,), confidence_logits (N,). Returns (loss, detached per-slot quantities for logging)."""
+    slot_index (N,), confidence_logits (N,). Returns (loss, detached per-slot quantities for logging).
+
+    `total_weight` normalises the weighted sums instead of these slots' own weight sum: the trainer passes the sum
+    over every process divided by their number, so that averaging the processes' gradients (DDP, FSDP) gives the
+    gradient of the mean over the global batch, as DeepSpec normalises by the all-reduced weight sum."""
     weights = position_weights(slot_index, decay)
-    total_weight = weights.sum().clamp_min(1e-8)
+    total_weight = (weights.sum() if total_weight is None else torch.as_tensor(total_weight)).clamp_min(1e-8)
     draft_probs = draft_logits.float().softmax(dim=-1)
     target = _as_distribution(target, draft_to_target)
     target_probs = target.probs

@@ -19,7 +19,7 @@ from transformers import Trainer
 from ..models.common import DraftContextCache, DraftPreTrainedModel, UserInputError
 from ..models.modeling_eagle3 import Eagle3DraftModel
 from .blocks import build_blocks, sample_anchors
-from .losses import TargetDistribution, dspark_loss, l1_distance, soft_cross_entropy
+from .losses import TargetDistribution, dspark_loss, l1_distance, position_weights, soft_cross_entropy
 from .regenerate import iter_regenerated
 
 
@@ -189,11 +189,13 @@ class DSparkTrainer(Trainer):
         rows = torch.arange(selected.shape[0], device=selected.device)[:, None].expand_as(selected)[selected]
         target = self.target_distribution(drafter, inputs, final, rows, blocks.position_ids[selected])
         confidence = out.confidence_logits[selected] if out.confidence_logits is not None else None
+        slots = blocks.slot_index[selected]
         loss, details = dspark_loss(
-            out.logits, target, blocks.labels[selected], blocks.slot_index[selected], confidence,
+            out.logits, target, blocks.labels[selected], slots, confidence,
             ce_weight=self.ce_weight, tv_weight=self.tv_weight, bce_weight=self.bce_weight,
             kl_weight=self.kl_weight, decay=self.loss_decay,
             draft_to_target=drafter.draft_to_target,
+            total_weight=self._global_normaliser(position_weights(slots, self.loss_decay).sum()),
         )
         self._blocks_seen += int(valid.sum())
         return loss, details, blocks.slot_index[selected]
@@ -241,11 +243,26 @@ class DSparkTrainer(Trainer):
             details_all["acceptance"].append((1 - 0.5 * distance).clamp(0, 1))
             details_all["top1"].append((argmax == target.argmax).float())
             slots_all.append(torch.full((int(chosen.sum()),), step, device=device))
-        if weight_sum == 0:
+        normaliser = self._global_normaliser(torch.tensor(float(weight_sum), device=device))
+        if float(normaliser) == 0:  # no process had a supervised row
             return sum(p.sum() * 0.0 for p in model.parameters() if p.requires_grad), {}, torch.zeros(0)
+        if weight_sum == 0:
+            total = sum(p.sum() * 0.0 for p in model.parameters() if p.requires_grad)
+            details_all, slots_all = {}, [torch.zeros(0, device=device)]
         self._blocks_seen += batch
         details = {k: torch.cat(v) for k, v in details_all.items()}
-        return total / weight_sum, details, torch.cat(slots_all)
+        return total / normaliser, details, torch.cat(slots_all)
+
+    def _global_normaliser(self, local_weight: torch.Tensor) -> torch.Tensor:
+        """The loss normaliser for this process: the slot-weight sum over all processes divided by their number
+        (this process's own sum when it runs alone). Every process calls it once per loss, so it is collective-safe.
+        With it the average of the processes' gradients (DDP / FSDP) equals the gradient of the weighted mean over
+        the global batch, whatever the split of supervised slots between processes, as in one process."""
+        processes = self.accelerator.num_processes
+        if processes == 1:
+            return local_weight.detach()
+        total = self.accelerator.reduce(local_weight.detach().float().clone(), reduction="sum")
+        return total / processes
 
     # -- logging ------------------------------------------------------------------------------------------------
 
