@@ -28,3 +28,28 @@ def test_shipped_drafter_is_lossless_on_the_default_target():
     sampled = target.generate(ids, assistant_model=drafter, do_sample=True, temperature=0.7, top_p=0.9,
                               max_new_tokens=24)
     assert sampled.shape[1] <= ids.shape[1] + 24 and sampled.shape[1] > ids.shape[1]
+
+
+def test_every_shipped_drafter_is_lossless_with_and_without_suffix_drafting():
+    """What `hf-dspark generate` runs by default (cost table, round planning, suffix drafting), and each drafter
+    alone, give plain greedy's tokens on the real target."""
+    from hf_dspark.scheduling import VerificationCostTable
+
+    target, tokenizer = load_default_target(dtype=torch.float32)
+    prompts = [json.loads(benchmark_path(name).read_text().splitlines()[1])["turns"][0] for name in ("mbpp", "alpaca")]
+    inputs = [torch.tensor([chat_prompt_ids(tokenizer, prompt)]) for prompt in prompts]
+    plain = [target.generate(ids, do_sample=False, max_new_tokens=48) for ids in inputs]
+    # A CPU-like table: 2-4 tokens cost up to twice a decode step, so plain steps, suffix proposals and the drafter
+    # are all in play.
+    costs = VerificationCostTable([1.0, 1.6, 2.0, 1.5, 1.7, 1.7, 1.9, 1.7], draft_seconds=0.15)
+    for kind in ("dspark", "dflash", "eagle3"):
+        drafter = AutoModel.from_pretrained(hf_dspark.shipped_drafter_path(kind)).eval()
+        assert drafter.suffix_drafting  # on by default for the shipped drafters
+        sources = set()
+        for suffix, table in ((True, costs), (False, None)):
+            drafter.suffix_drafting, drafter.verification_costs = suffix, table
+            for ids, expected in zip(inputs, plain):
+                actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=48)
+                assert torch.equal(actual, expected), (kind, suffix)
+                sources |= set(drafter.last_generation_stats.sources)
+        assert {"drafter", "suffix"} <= sources
