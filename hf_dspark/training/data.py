@@ -98,17 +98,7 @@ def user_turns(record: dict) -> list[str]:
 
 def load_prompts(paths: Iterable[str | Path], max_prompts: int | None = None) -> list[str]:
     """First user turn of every record, in file order, without exact duplicates."""
-    prompts, seen = [], set()
-    for path in paths:
-        for record in iter_json_records(path):
-            turns = user_turns(record)
-            if not turns or turns[0] in seen:
-                continue
-            seen.add(turns[0])
-            prompts.append(turns[0])
-            if max_prompts is not None and len(prompts) >= max_prompts:
-                return prompts
-    return prompts
+    return [turns[0] for turns in load_conversations(paths, max_prompts)]
 
 
 def load_conversations(paths: Iterable[str | Path], max_conversations: int | None = None) -> list[list[str]]:
