@@ -216,6 +216,11 @@ def test_push_cli_dry_run_keeps_the_shipped_card_and_fills_results(tmp_path):
     assert "| overall | 6 |" in card
     reloaded = hf_dspark.DSparkDraftModel.from_pretrained(out)
     assert reloaded.config.to_dict()["draft_vocab_size"] == 8192
+    # The shipped folder holds no code; what gets pushed does (written at save time).
+    for name in ("modeling_dspark.py", "configuration_dspark.py", "common.py", "custom_generate/generate.py",
+                 "custom_generate/verification.py"):
+        assert (out / name).is_file(), name
+    assert "auto_map" in json.loads((out / "config.json").read_text())
 
 
 def _reachable(endpoint: str) -> bool:
