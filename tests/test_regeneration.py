@@ -122,3 +122,25 @@ def test_sampled_share_is_fixed_by_seed_and_fraction():
     assert not any(is_sampled(i, RegenerationConfig(greedy_fraction=1.0)) for i in range(100))
     with pytest.raises(ValueError, match="temperature"):
         RegenerationConfig(temperature=-1)
+
+
+def test_gzipped_shards_are_read_and_resumed_after(tmp_path, tokenizer):
+    """Finished shards are committed gzipped; a run resumes after them and training reads both kinds."""
+    import gzip
+    import shutil
+
+    target = tiny_chat_target(tokenizer)
+    prompts = [f"Tell me about the number {i}." for i in range(5)]
+    config = RegenerationConfig(max_new_tokens=4, batch_size=2, shard_size=2)
+    regenerate(target, tokenizer, prompts[:5], tmp_path, config, target_name="tiny", progress=False)
+    first = sorted(tmp_path.glob("shard-*.jsonl"))
+    for shard in first[:-1]:
+        with open(shard, "rb") as source, gzip.open(f"{shard}.gz", "wb") as packed:
+            shutil.copyfileobj(source, packed)
+        shard.unlink()
+    first[-1].unlink()  # the unfinished tail of an interrupted run
+    again = regenerate(target, tokenizer, prompts[:5], tmp_path, config, target_name="tiny", progress=False)
+    assert again["prompts"] == 1
+    names = sorted(p.name for p in tmp_path.glob("shard-*"))
+    assert names == ["shard-00000.jsonl.gz", "shard-00001.jsonl.gz", "shard-00002.jsonl"]
+    assert len(list(iter_regenerated(tmp_path))) == 5

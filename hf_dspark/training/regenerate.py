@@ -14,6 +14,7 @@ whose settings differ from the folder's manifest is refused rather than mixed in
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import random
@@ -99,10 +100,21 @@ def next_turn_ids(tokenizer, messages: list[dict], answer_ids: list[int], eos_id
     return tail_ids
 
 
+def shard_paths(folder: str | Path) -> list[Path]:
+    """The folder's shards in order: `shard-NNNNN.jsonl`, or gzipped (`.jsonl.gz`, how finished shards are
+    committed); a run resumed on gzipped shards appends plain ones after them."""
+    folder = Path(folder)
+    return sorted([*folder.glob("shard-*.jsonl"), *folder.glob("shard-*.jsonl.gz")], key=lambda p: p.name)
+
+
+def _open_shard(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
 def completed_ids(output_dir: Path) -> set[int]:
     done = set()
-    for shard in sorted(output_dir.glob("shard-*.jsonl")):
-        with open(shard, encoding="utf-8") as handle:
+    for shard in shard_paths(output_dir):
+        with _open_shard(shard) as handle:
             for line in handle:
                 try:
                     done.add(json.loads(line)["id"])
@@ -127,8 +139,8 @@ def _check_manifest(output_dir: Path, manifest: dict) -> None:
 class _ShardWriter:
     def __init__(self, output_dir: Path, shard_size: int):
         self.output_dir, self.shard_size = output_dir, shard_size
-        shards = sorted(output_dir.glob("shard-*.jsonl"))
-        self.index = len(shards)
+        shards = shard_paths(output_dir)
+        self.index = 1 + max((int(p.name.split("-")[1].split(".")[0]) for p in shards), default=-1)
         self.handle, self.lines = None, 0
 
     def write(self, record: dict) -> None:
@@ -456,8 +468,8 @@ def _digest(conversations: list[list[str]]) -> str:
 
 def iter_regenerated(data_dir: str | Path):
     """Yield `{"input_ids", "loss_mask"}` examples (loss on the target's answer tokens) from regenerated shards."""
-    for shard in sorted(Path(data_dir).glob("shard-*.jsonl")):
-        with open(shard, encoding="utf-8") as handle:
+    for shard in shard_paths(data_dir):
+        with _open_shard(shard) as handle:
             for line in handle:
                 try:
                     record = json.loads(line)
