@@ -33,8 +33,12 @@ class ExampleList(torch.utils.data.Dataset):
 
 
 def build_drafter(kind: str, target, *, num_layers: int, block_size: int, markov_rank: int,
-                  draft_vocab_size: int | None, target_layer_ids: list[int] | None):
-    overrides = {"block_size": block_size, "draft_vocab_size": draft_vocab_size}
+                  draft_vocab_size: int | None, target_layer_ids: list[int] | None, qk_norm: bool = True,
+                  suffix_drafting: bool = True):
+    """A fresh drafter for `target`. q/k norms are on by default (what vLLM, SGLang and llama.cpp serve, whatever
+    the target's family), and the saved config turns suffix drafting on for whoever loads it."""
+    overrides = {"block_size": block_size, "draft_vocab_size": draft_vocab_size, "qk_norm": qk_norm,
+                 "suffix_drafting": suffix_drafting}
     if target_layer_ids:
         overrides["target_layer_ids"] = target_layer_ids
     if kind == "eagle3":
@@ -85,7 +89,8 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
                   target_layer_ids: list[int] | None, init_from_target: list[int] | None, max_length: int,
                   batch_size: int, num_anchors: int, learning_rate: float, max_steps: int, save_steps: int,
                   warmup_ratio: float, seed: int, resume: bool, loss_weights: dict | None = None,
-                  init_context: bool = False, init_markov_bigrams: bool = False, init_from: str | None = None) -> dict:
+                  init_context: bool = False, init_markov_bigrams: bool = False, init_from: str | None = None,
+                  qk_norm: bool = True) -> dict:
     torch.manual_seed(seed)
     output = Path(output_dir)
     if init_from:
@@ -94,7 +99,8 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
         draft_vocab_size, init_from_target, init_markov_bigrams = None, None, False
     else:
         drafter = build_drafter(kind, target, num_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
-                                draft_vocab_size=draft_vocab_size, target_layer_ids=target_layer_ids)
+                                draft_vocab_size=draft_vocab_size, target_layer_ids=target_layer_ids,
+                                qk_norm=qk_norm)
     if cache:
         dataset = TargetCacheDataset(cache, layer_ids=drafter.config.target_layer_ids)
     else:

@@ -1,0 +1,138 @@
+"""Recipe ablation: which training recipe gives the highest *measured* tau on held-out prompts.
+
+Every variant trains a drafter from the same data for the same CPU budget (one change each from the baseline),
+then is scored by running `target.generate(ids, assistant_model=drafter)` (float32 greedy, the drafter alone: no
+suffix drafting, no schedule) on held-out eval prompts, never training prompts. Training loss is not the criterion.
+Resumable: each finished variant is appended to `results.jsonl` in the output folder and skipped on a rerun; a
+variant interrupted mid-training continues from its trainer checkpoint.
+
+    python benchmarks/recipe_ablation.py --data data/regenerated/smollm2-v2 --seconds 1200 \\
+        --output benchmarks/recipe-ablation            # 20 CPU minutes per variant, 1 thread
+
+Baseline: DSpark (vanilla Markov head), on-policy data, DeepSpec's loss (0.1 CE + 0.9 TV + 1.0 BCE), 2 layers,
+gamma 7, 8192-token draft vocabulary, layers initialised from target layers 28-29, lr 6e-4, qk_norm on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+import hf_dspark  # noqa: F401
+from hf_dspark.evaluation.prompts import chat_input_ids, load_prompt_sets
+from hf_dspark.models.default_target import load_default_target
+from hf_dspark.models.loading import load_drafter
+from hf_dspark.training.recipes import train_drafter
+
+BASELINE = dict(kind="dspark", num_layers=2, block_size=7, markov_rank=256, draft_vocab_size=8192,
+                init_from_target=[28, 29], learning_rate=6e-4, loss_weights={}, dataset_answers=0, on_policy=True)
+
+VARIANTS = {
+    "baseline": {},
+    "sharegpt-answers": {"on_policy": False, "dataset_answers": 4000},
+    "kl-heavy-loss": {"loss_weights": {"ce_weight": 0.1, "tv_weight": 0.0, "kl_weight": 0.9}},
+    "1-layer": {"num_layers": 1, "init_from_target": [29]},
+    "3-layers": {"num_layers": 3, "init_from_target": [27, 28, 29]},
+    "gamma-4": {"block_size": 4},
+    "vocab-16k": {"draft_vocab_size": 16384},
+    "vocab-32k": {"draft_vocab_size": 32768},
+    "random-init": {"init_from_target": None},
+    "lr-3e-4": {"learning_rate": 3e-4},
+    "lr-1.2e-3": {"learning_rate": 1.2e-3},
+}
+
+
+def held_out(tokenizer, benchmarks: list[str], per_benchmark: int) -> list[torch.Tensor]:
+    """Eval-set first turns from the second prompt on (the bench uses the first ones)."""
+    sets = load_prompt_sets(benchmarks, max_prompts=per_benchmark + 1)
+    return [chat_input_ids(tokenizer, [{"role": "user", "content": p.turns[0]}])
+            for prompts in sets.values() for p in prompts[1:]]
+
+
+def measured_tau(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> dict:
+    drafter.suffix_drafting, drafter.verification_costs = False, None
+    accepted = rounds = 0
+    by_slot_hits, by_slot_reached = [0] * drafter.config.block_size, [0] * drafter.config.block_size
+    identical = 0
+    for ids in prompts:
+        plain = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
+        out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=max_new_tokens)
+        identical += int(torch.equal(out, plain))
+        stats = drafter.last_generation_stats
+        accepted += sum(stats.accepted)
+        rounds += stats.num_rounds
+        for draft, got in zip(stats.draft_lengths, stats.accepted):
+            for slot in range(min(draft, got + 1)):
+                by_slot_reached[slot] += 1
+                by_slot_hits[slot] += int(slot < got)
+    return {"tau": round((accepted + rounds) / rounds, 3), "identical": f"{identical}/{len(prompts)}",
+            "acceptance_by_slot": [round(h / r, 3) if r else None for h, r in zip(by_slot_hits, by_slot_reached)]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", required=True, help="folder of `hf-dspark regenerate` shards (on-policy data)")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--seconds", type=float, default=1200, help="training budget per variant")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--benchmarks", nargs="+", default=["gsm8k", "humaneval", "mt-bench", "alpaca"])
+    parser.add_argument("--prompts-per-benchmark", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    torch.set_num_threads(args.threads)
+
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    results_path = output / "results.jsonl"
+    done = {json.loads(line)["variant"] for line in results_path.open()} if results_path.exists() else set()
+    target, tokenizer = load_default_target(torch.float32)
+    prompts = held_out(tokenizer, args.benchmarks, args.prompts_per_benchmark)
+    for name in args.variants:
+        if name in done:
+            continue
+        recipe = {**BASELINE, **VARIANTS[name]}
+        started = time.perf_counter()
+        summary = train_drafter(
+            target, tokenizer, kind=recipe["kind"], output_dir=str(output / name),
+            regenerated=[args.data] if recipe["on_policy"] else [], dataset_answers=recipe["dataset_answers"],
+            max_seconds=args.seconds, num_layers=recipe["num_layers"], block_size=recipe["block_size"],
+            markov_rank=recipe["markov_rank"], draft_vocab_size=recipe["draft_vocab_size"], target_layer_ids=None,
+            init_from_target=recipe["init_from_target"], max_length=768, batch_size=8, num_anchors=64,
+            learning_rate=recipe["learning_rate"], max_steps=100_000, save_steps=50, warmup_ratio=0.04, seed=0,
+            resume=True, loss_weights=recipe["loss_weights"], qk_norm=True,
+        )
+        drafter = load_drafter(output / name, torch.float32)
+        drafter.attach_target(target)
+        score = measured_tau(target, drafter, prompts, args.max_new_tokens)
+        row = {"variant": name, "recipe": recipe, "steps": summary["steps"], "train_seconds": summary["train_seconds"],
+               "wall_seconds": round(time.perf_counter() - started, 1), **score}
+        with results_path.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    rows = [json.loads(line) for line in results_path.open()]
+    base = next((r["tau"] for r in rows if r["variant"] == "baseline"), None)
+    lines = ["# Recipe ablation (held-out measured tau, float32 greedy, drafter alone)", "",
+             f"Command: `python benchmarks/recipe_ablation.py --data {args.data} --seconds {args.seconds:g} "
+             f"--output {args.output}`", "",
+             f"{len(prompts)} held-out prompts ({', '.join(args.benchmarks)}), {args.max_new_tokens} new tokens.", "",
+             "| variant | steps | tau | vs baseline | identical | acceptance by slot |", "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: -r["tau"]):
+        ratio = f"{r['tau'] / base:.3f}x" if base else "-"
+        slots = ", ".join("-" if a is None or math.isnan(a) else f"{a:.2f}" for a in r["acceptance_by_slot"])
+        lines.append(f"| {r['variant']} | {r['steps']} | {r['tau']:.3f} | {ratio} | {r['identical']} | {slots} |")
+    (output / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
