@@ -8,6 +8,7 @@ trained drafter's full state dict (`drafter.safetensors`) from the main process.
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,8 +51,6 @@ def fsdp_on_cpu() -> bool:
     gloo). Promote that state to FSDP, with the plugin built from the launcher's FSDP_* settings, before the Trainer
     creates its Accelerator (`use_configured_state`), so that the real FSDP2 preparation (`fully_shard` over a gloo
     device mesh) runs. Returns whether it did."""
-    import os
-
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -97,6 +96,14 @@ def main() -> None:
             "wrapped": type(trainer.model_wrapped).__name__,
             "sharded": any(type(p).__name__ == "DTensor" for p in trainer.model_wrapped.parameters()),
         }))
+    trainer.accelerator.wait_for_everyone()  # every process is done and the main one has written its files
+    if trainer.accelerator.num_processes > 1:
+        # torch 2.13's gloo teardown (at destroy_process_group or interpreter exit) sometimes aborts one process
+        # with "terminate called without an active exception" after a finished run (about 1 launch in 7 here);
+        # the work is complete, so leave without running the C++ destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
