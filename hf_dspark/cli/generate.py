@@ -37,19 +37,20 @@ def load_drafters(named: dict[str, str], target, schedule: bool, target_name: st
     drafting). With `schedule`, each also runs as `LABEL+suffix` (suffix drafting beside it, no cost table) and as
     `LABEL+schedule`, what `hf-dspark generate` runs by default: the cost table priced per round (draft length from
     the confidences, plain steps when drafting cannot pay) with the checkpoint's own suffix-drafting setting."""
-    drafters = {}
-    for label, path in named.items():
+
+    def loaded(path: str, suffix_drafting: bool | None):
         drafter = load_drafter(path, target.dtype)
         drafter.attach_target(target)
-        drafter.suffix_drafting = False
-        drafters[label] = drafter
+        if suffix_drafting is not None:  # None keeps the checkpoint's own setting
+            drafter.suffix_drafting = suffix_drafting
+        return drafter
+
+    drafters = {}
+    for label, path in named.items():
+        drafters[label] = loaded(path, suffix_drafting=False)
         if schedule:
-            with_suffix = load_drafter(path, target.dtype)
-            with_suffix.attach_target(target)
-            with_suffix.suffix_drafting = True
-            drafters[f"{label}+suffix"] = with_suffix
-            scheduled = load_drafter(path, target.dtype)
-            scheduled.attach_target(target)
+            drafters[f"{label}+suffix"] = loaded(path, suffix_drafting=True)
+            scheduled = loaded(path, suffix_drafting=None)
             scheduled.verification_costs = cost_table_for(target, scheduled, target_name)
             drafters[f"{label}+schedule"] = scheduled
     return drafters

@@ -150,9 +150,11 @@ class DraftCandidateGenerator(CandidateGenerator):
         self.observed_length = anchor_position
 
     def _suffix_candidates(self, input_ids, proposal: list[int]):
-        """A suffix proposal as drafts: each slot's draft distribution is the point mass on its token (greedy
-        verification compares tokens; sampling accepts x with probability min(1, p(x)))."""
+        """A suffix proposal as drafts: each slot's draft distribution is the point mass on its token (sampling
+        accepts x with probability min(1, p(x))). Greedy verification compares tokens only, so it gets no logits."""
         tokens = torch.tensor([proposal], dtype=input_ids.dtype, device=input_ids.device)
+        if not self.do_sample:
+            return torch.cat([input_ids, tokens], dim=-1), None
         vocab = self.drafter.config.vocab_size
         logits = torch.full((1, len(proposal), vocab), float("-inf"), device=input_ids.device)
         logits.scatter_(-1, tokens[..., None], 0.0)

@@ -77,9 +77,10 @@ class RegenerationConfig:
 
 
 def next_turn_ids(tokenizer, messages: list[dict], answer_ids: list[int], eos_ids: set[int], user_turn: str
-                  ) -> list[int] | None:
-    """Ids to append after the target's own answer (`answer_ids`, EOS included) so that the conversation continues
-    with `user_turn` and a new assistant prompt, or None when the template cannot be continued token-exactly.
+                  ) -> tuple[list[int], list[dict]] | None:
+    """(ids to append after the target's own answer (`answer_ids`, EOS included) so that the conversation continues
+    with `user_turn` and a new assistant prompt, the messages so far with that answer and turn), or None when the
+    template cannot be continued token-exactly.
 
     The answer's tokens are kept as the target wrote them (re-tokenizing its text could split it differently); only
     the template text between the answer and the next assistant prompt is tokenized."""
@@ -97,7 +98,7 @@ def next_turn_ids(tokenizer, messages: list[dict], answer_ids: list[int], eos_id
         tail_ids = tail_ids[1:]
     elif answer_ids and answer_ids[-1] in eos_ids:
         return None
-    return tail_ids
+    return tail_ids, following
 
 
 def shard_paths(folder: str | Path) -> list[Path]:
@@ -383,11 +384,10 @@ def regenerate(target, tokenizer, prompts: list[str] | list[list[str]], output_d
         ended = bool(row.answer) and row.answer[-1] in eos_ids
         row.turn += 1
         if ended and row.turn < len(row.turns):
-            tail = next_turn_ids(tokenizer, row.messages, row.answer, eos_ids, row.turns[row.turn])
-            if tail is not None and len(row.ids) + len(tail) + config.max_new_tokens <= config.max_conversation_tokens:
-                answer_text = tokenizer.decode([t for t in row.answer if t not in eos_ids])
-                row.messages = row.messages + [{"role": "assistant", "content": answer_text},
-                                               {"role": "user", "content": row.turns[row.turn]}]
+            following = next_turn_ids(tokenizer, row.messages, row.answer, eos_ids, row.turns[row.turn])
+            if following is not None and (len(row.ids) + len(following[0]) + config.max_new_tokens
+                                          <= config.max_conversation_tokens):
+                tail, row.messages = following
                 row.ids = row.ids + tail
                 row.answer = []
                 return True
@@ -411,10 +411,7 @@ def regenerate(target, tokenizer, prompts: list[str] | list[list[str]], output_d
                         for row, token in zip(rows, tokens.tolist()):
                             row.answer = [token]
                         batch.merge(rows, cache, mask, tokens)
-                    continuing = []
-                    _retire(batch, eos_ids, config, finish_turn, continuing)
-                    for row in reversed(continuing):
-                        queue.appendleft(row)  # later turns first: they finish conversations already started
+                    _retire(batch, eos_ids, config, finish_turn, queue)
             if not len(batch):
                 continue
             mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
@@ -426,15 +423,11 @@ def regenerate(target, tokenizer, prompts: list[str] | list[list[str]], output_d
             for row, token in zip(batch.rows, tokens.tolist()):
                 row.answer.append(token)
             steps += 1
-            continuing = []
             if bool(torch.isin(tokens, eos_tensor).any()) or any(len(r.answer) >= config.max_new_tokens
                                                                    for r in batch.rows):
-                _retire(batch, eos_ids, config, finish_turn, continuing)
-            for row in reversed(continuing):
-                queue.appendleft(row)
-            elapsed = time.perf_counter() - started
+                _retire(batch, eos_ids, config, finish_turn, queue)
             if steps % 8 == 0:
-                bar.set_postfix(tok_per_s=f"{answer_tokens / elapsed:.0f}", rows=len(batch))
+                bar.set_postfix(tok_per_s=f"{answer_tokens / (time.perf_counter() - started):.0f}", rows=len(batch))
     finally:
         writer.close()
         bar.close()
@@ -443,10 +436,11 @@ def regenerate(target, tokenizer, prompts: list[str] | list[list[str]], output_d
             "seconds": elapsed, "tokens_per_second": answer_tokens / max(elapsed, 1e-9)}
 
 
-def _retire(batch: _Batch, eos_ids: set[int], config: RegenerationConfig, finish_turn, continuing: list) -> None:
-    """Remove rows whose answer ended (EOS or max_new_tokens); conversations with a next turn go to `continuing`
-    with their cache parked, so the next turn runs only its new tokens."""
-    keep = []
+def _retire(batch: _Batch, eos_ids: set[int], config: RegenerationConfig, finish_turn, queue: deque) -> None:
+    """Remove rows whose answer ended (EOS or max_new_tokens). Conversations with a next turn go to the front of
+    `queue` (they finish conversations already started) with their cache parked, so the next turn runs only its
+    new tokens."""
+    keep, continuing = [], []
     for index, row in enumerate(batch.rows):
         if row.answer and (row.answer[-1] in eos_ids or len(row.answer) >= config.max_new_tokens):
             fed = len(row.ids) + len(row.answer) - 1  # every token but the newest went through the target
@@ -457,6 +451,7 @@ def _retire(batch: _Batch, eos_ids: set[int], config: RegenerationConfig, finish
             keep.append(index)
     if len(keep) < len(batch):
         batch.keep(keep)
+    queue.extendleft(reversed(continuing))
 
 
 def _digest(conversations: list[list[str]]) -> str:
