@@ -32,6 +32,7 @@ from .batched import (BatchedOutput, SpeculativeEngine, check_left_padded, check
                       resolve_verification_policy)
 from .candidates import candidate_generator_for
 from .stats import SpeculativeStats
+from .target_forward import target_runner_for
 from .verification import greedy_verify, rejection_sample
 
 _PASSED_BY_GENERATE = {"cache", "attention_mask", "position_ids", "logits_to_keep", "use_cache"}
@@ -78,12 +79,6 @@ def _check_request(target, input_ids, generation_config: GenerationConfig, model
     _check_cache_and_inputs(model_kwargs)
 
 
-def _target_forward(target, tokens, cache, layer_indices, keep: int):
-    kwargs = {"logits_to_keep": keep} if target._supports_logits_to_keep() else {}
-    out = target(input_ids=tokens, cache=cache, use_cache=True, output_hidden_states=layer_indices, **kwargs)
-    return out, out.logits[:, -keep:].float()
-
-
 @torch.no_grad()
 def speculative_decoding(
     target,
@@ -106,8 +101,7 @@ def speculative_decoding(
     generator = candidate_generator_for(drafter, logits_processor, generation_config)
     layer_indices = generator.model_kwargs_overrides["output_hidden_states"]
     cache = model_kwargs["cache"]
-    if hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()  # sliding-window layers keep what a crop may need
+    runner = target_runner_for(target, cache, generation_config, layer_indices)
 
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
@@ -116,7 +110,7 @@ def speculative_decoding(
 
     sequence = input_ids
     generator.extend_text(sequence)
-    outputs, target_logits = _target_forward(target, sequence, cache, layer_indices, keep=1)
+    outputs, target_logits = runner.forward(sequence, keep=1)
     draft_tokens = sequence.new_zeros(1, 0)
     draft_logits = None
     is_prefill = True
@@ -151,7 +145,7 @@ def speculative_decoding(
         if streamer is not None:
             streamer.put(sequence[:, sequence.shape[1] - j - 1 :].cpu())
         # The cache holds every position but the newest token, as after plain decoding.
-        cache.crop(-(cache.get_seq_length() - (sequence.shape[1] - 1)))
+        runner.crop(sequence.shape[1] - 1)
         generator.extend_text(sequence[:, emitted_from:])  # also scores the last proposals for later calls
         if finished:
             break
@@ -166,7 +160,7 @@ def speculative_decoding(
             # features are never read and their cache entries are cropped with the rejected drafts.
             padded = drafter.verification_costs.padded_tokens(real)
             tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - real)], dim=-1)
-        outputs, target_logits = _target_forward(target, tokens, cache, layer_indices, keep=tokens.shape[1])
+        outputs, target_logits = runner.forward(tokens, keep=tokens.shape[1])
         target_logits = target_logits[:, :real]
         generator.stats.add_seconds("verification", time.perf_counter() - started)
 
