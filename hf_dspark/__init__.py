@@ -1,7 +1,9 @@
 """hf_dspark: lossless DSpark / DFlash / Eagle3 speculative decoding for Hugging Face transformers.
 
 `import hf_dspark` registers the drafter classes with the Auto classes and routes
-`target.generate(..., assistant_model=drafter)` to hf_dspark's verifier when the drafter is one of ours.
+`target.generate(..., assistant_model=drafter)` to hf_dspark's verifier when the drafter is one of ours;
+`target.generate(..., custom_generate=hf_dspark.custom_generate_for(drafter))` is the same loop through
+transformers' public `custom_generate` hook.
 """
 
 from transformers import AutoConfig, AutoModel
@@ -9,7 +11,7 @@ from transformers import AutoConfig, AutoModel
 from . import hub  # noqa: F401  (installs the save/push hooks of the drafters)
 from ._version import __version__
 from .generation import SpeculativeDecoderOnlyOutput, SpeculativeStats, greedy_verify, rejection_sample
-from .generation.integration import install_generate_hooks
+from .generation.integration import custom_generate_for, install_generate_hooks
 from .models import (
     DraftContextCache,
     DrafterLoadError,
@@ -55,6 +57,7 @@ __all__ = [
     "SpeculativeStats",
     "VerificationCostTable",
     "build_dflash_config",
+    "custom_generate_for",
     "default_target_dir",
     "greedy_verify",
     "load_default_target",
