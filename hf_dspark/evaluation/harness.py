@@ -251,14 +251,16 @@ def evaluate(benchmarks=("gsm8k", "humaneval", "mt-bench"), *, output_dir: str |
              drafters=None, max_prompts: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_p: float = 1.0, multi_turn: bool = False, seed: int = 0, dtype: str = "float32",
              execute_code: bool = False, exec_timeout: float = 10.0, allow_mismatch: bool = False,
-             progress: bool = True, command: str | None = None, target_name: str | None = None) -> dict:
+             progress: bool = True, command: str | None = None, target_name: str | None = None,
+             device: str | None = None) -> dict:
     """Evaluate drafters against plain decoding and write `records.jsonl`, `results.json`, `results.md` and plots
     to `output_dir`; returns the results (as in `results.json`).
 
     `benchmarks`: shipped set names or prompt files (see `prompts.load_prompt_sets`), `max_prompts` per set.
     `target`: None for the embedded SmolLM2 default, a path, or a loaded model (then pass its `tokenizer`).
     `drafters`: None for the shipped DSpark drafter, a list of paths, or {label: path or loaded drafter}.
-    `target_name` names a loaded target in the settings (default: its `name_or_path`).
+    `target_name` names a loaded target in the settings (default: its `name_or_path`); `device` places a target
+    loaded here ("auto", "cpu", "cuda:1", ...; None = the CPU), and the drafters run beside its LM head.
     Rerunning with the same settings resumes; other settings in the same folder raise `SettingsMismatchError`.
     Greedy outputs that differ from plain greedy raise `OutputMismatchError` unless `allow_mismatch`.
     """
@@ -274,7 +276,7 @@ def evaluate(benchmarks=("gsm8k", "humaneval", "mt-bench"), *, output_dir: str |
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
     if target is None or isinstance(target, (str, Path)):
         target_name = target_name or (DEFAULT_TARGET_NAME if target is None else location(target))
-        target, tokenizer = load_target(None if target is None else str(target), dtype)
+        target, tokenizer = load_target(None if target is None else str(target), dtype, device=device)
     elif tokenizer is None:
         raise ValueError("a loaded target needs its tokenizer")
     if drafters is None:
@@ -291,7 +293,7 @@ def evaluate(benchmarks=("gsm8k", "humaneval", "mt-bench"), *, output_dir: str |
         path = None
         if isinstance(drafter, (str, Path)):
             path, drafter = drafter, load_drafter(drafter, target.dtype)
-        drafter.attach_target(target)
+        drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
         loaded[label], identities[label] = drafter, model_identity(drafter, path)
 
     settings = EvalSettings(

@@ -326,6 +326,11 @@ def _hub_hooks() -> type[HubHooks]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+_RUNNABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""Target dtypes a drafter follows in `attach_target(follow=True)`; under any other (float8 storage, quantized
+weights reported as integers) it keeps its own dtype and its inputs are cast to it."""
+
+
 class _TargetHeads:
     """Holds the target's embedding and LM head without registering them as drafter submodules, so they are
     neither saved with the drafter nor trained by it."""
@@ -539,8 +544,23 @@ class DraftPreTrainedModel(PreTrainedModel):
     def check_compatible(self, target_config: PreTrainedConfig) -> None:
         check_drafter_matches_target(self.config, target_config)
 
-    def attach_target(self, target: PreTrainedModel) -> None:
-        """Share ``target``'s (frozen) input embedding and LM head. Generation does this for you."""
+    def attach_target(self, target: PreTrainedModel, *, follow: bool = False) -> None:
+        """Share ``target``'s (frozen) input embedding and LM head; with ``follow``, first move the drafter beside
+        them. `generate()` calls `attach_target(target, follow=True)` for you.
+
+        Args:
+            target: the causal LM the drafter was built for (loaded with `AutoModelForCausalLM`).
+            follow: what generation wants. True moves the drafter to the device of the target's LM head, which
+                computes its logits (with a `device_map` spreading the target over several devices, the drafter
+                goes with the LM head; its token embeddings come back from the embedding's device, and the target's
+                features must be moved to `drafter.device`), and casts it to the target's dtype when that is a
+                dtype it can run in (float16, bfloat16, float32, float64): a float32 drafter drafts for a bfloat16
+                target in bfloat16, as if it had been loaded with `dtype=torch.bfloat16`. A drafter whose weights
+                are not loaded (meta) or that is spread over several devices cannot follow and is refused, as is
+                a target whose LM head is offloaded. False, the default and what training passes, changes nothing
+                on the drafter: a float32 drafter being trained stays float32 beside a bfloat16 target, and one on
+                another device than the target's embedding or LM head is refused with the fix.
+        """
         self.check_compatible(target.config)
         lm_head = target.get_output_embeddings()
         if lm_head is None:
@@ -548,15 +568,69 @@ class DraftPreTrainedModel(PreTrainedModel):
                 f"{type(target).__name__} has no LM head; load the target with AutoModelForCausalLM."
             )
         embedding = target.get_input_embeddings()
-        mine = next(self.parameters()).device
-        for name, module in (("input embedding", embedding), ("LM head", lm_head)):
-            theirs = module.weight.device
-            if theirs != mine:
-                raise DrafterTargetMismatchError(
-                    f"the drafter is on {mine} but the target's {name} is on {theirs}: the drafter runs on its "
-                    f"target's features and shares its embedding and LM head. Move it with drafter.to({str(theirs)!r})."
-                )
+        if follow:
+            self._follow(target, embedding, lm_head)
+        else:
+            mine = next(self.parameters()).device
+            for name, module in (("input embedding", embedding), ("LM head", lm_head)):
+                theirs = module.weight.device
+                if theirs != mine:
+                    raise DrafterTargetMismatchError(
+                        f"the drafter is on {mine} but the target's {name} is on {theirs}: the drafter runs on its "
+                        f"target's features and shares its embedding and LM head. Move it with "
+                        f"drafter.to({str(theirs)!r}), or attach it with attach_target(target, follow=True), which "
+                        "moves it and casts it to the target's dtype (what generate() does)."
+                    )
         self._target_heads = _TargetHeads(embedding, lm_head)
+
+    def _follow(self, target: PreTrainedModel, embedding: nn.Module, lm_head: nn.Module) -> None:
+        """`attach_target(follow=True)`: move the drafter to the LM head's device and cast it to the target's dtype,
+        or say why it cannot."""
+        head_device = lm_head.weight.device
+        if head_device.type == "meta":
+            raise DrafterTargetMismatchError(
+                f"the target's LM head is offloaded (its weight is on the meta device, loaded only while "
+                f"{type(target).__name__} runs), but the drafter computes its logits with that weight directly. Keep "
+                "the LM head on a device: load the target without offloading, or with a device_map that puts "
+                "'lm_head' on a GPU or the CPU."
+            )
+        if embedding.weight.device.type == "meta" and not hasattr(embedding, "_hf_hook"):
+            raise DrafterTargetMismatchError(
+                "the target's input embedding has no weights (meta device) and no offloading hook to load them; "
+                "load the target's weights before generating."
+            )
+        unloaded = [name for name, param in self.named_parameters() if param.device.type == "meta"]
+        if unloaded:
+            raise DrafterTargetMismatchError(
+                f"the drafter cannot follow its target to {head_device}: {len(unloaded)} of its weights "
+                f"({unloaded[0]}, ...) are on the meta device, not loaded. Load the drafter whole, e.g. "
+                "AutoModel.from_pretrained(path) or hf_dspark.models.loading.load_drafter(path, dtype, device), "
+                "without a device_map."
+            )
+        spread = {str(place) for place in (getattr(self, "hf_device_map", None) or {}).values()}
+        if len(spread) > 1:
+            raise DrafterTargetMismatchError(
+                f"the drafter is spread over {', '.join(sorted(spread))} by a device_map, but a drafter runs whole "
+                f"beside its target's LM head ({head_device}); load it without device_map and generation moves it."
+            )
+        if any(param.device != head_device for param in self.parameters()):
+            self.to(head_device)
+        dtype = target.dtype
+        if dtype in _RUNNABLE_DTYPES:
+            self._cast_floating_weights(dtype)
+
+    def _cast_floating_weights(self, dtype: torch.dtype) -> None:
+        """Cast floating parameters and saved buffers to ``dtype`` in place. Buffers no checkpoint holds (rotary
+        inverse frequencies, computed in float32 at init) keep their precision, as `from_pretrained(dtype=...)`
+        leaves them, so a drafter cast here drafts exactly as one loaded in ``dtype``."""
+        for module in self.modules():
+            for param in module.parameters(recurse=False):
+                if param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+            for name, buffer in module.named_buffers(recurse=False):
+                if (buffer.is_floating_point() and buffer.dtype != dtype
+                        and name not in module._non_persistent_buffers_set):
+                    module._buffers[name] = buffer.to(dtype)
 
     def get_input_embeddings(self) -> None:
         """None: the drafter owns no embedding (it uses its target's, see `attach_target`). Said explicitly because
@@ -578,7 +652,12 @@ class DraftPreTrainedModel(PreTrainedModel):
         return self._target_heads
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.target_heads.embed_tokens(input_ids)
+        """The target's input embeddings of ``input_ids``, on the drafter's device: with a `device_map` the target's
+        embedding may sit on another device than its LM head, beside which the drafter runs (`attach_target`)."""
+        embedding = self.target_heads.embed_tokens
+        if embedding.weight.device.type != "meta":  # meta: an offloading hook moves the ids itself
+            input_ids = input_ids.to(embedding.weight.device)
+        return embedding(input_ids).to(self.device)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits over the drafter's output vocabulary (the draft vocabulary if set) from final normed states."""

@@ -58,13 +58,19 @@ def _materialise(target_dir: Path) -> None:
 
 
 def load_default_target(
-    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None, device_map=None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Return (model, tokenizer) for SmolLM2-135M-Instruct in eval mode."""
+    """Return (model, tokenizer) for SmolLM2-135M-Instruct in eval mode, on ``device`` ("auto", "cpu", "cuda:1",
+    ...; None = the CPU) or spread by a transformers ``device_map``, as `hf_dspark.models.loading.load_target`."""
+    from .loading import placed_from_pretrained, resolve_device
+
+    if device is not None:
+        device = resolve_device(device)  # a missing device is named before the first load dequantizes the GGUF
     target_dir = default_target_dir()
     if not (target_dir / "model.safetensors").is_file():
         target_dir.parent.mkdir(parents=True, exist_ok=True)
         _materialise(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    model = placed_from_pretrained(AutoModelForCausalLM.from_pretrained, target_dir, "default target", device=device,
+                                   device_map=device_map, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     return model, tokenizer

@@ -62,19 +62,121 @@ def _from_pretrained(load, path, what: str, **kwargs):
                              f"pass the {what}'s folder.") from error
 
 
-def load_target(path: str | None, dtype: str):
-    """(model, tokenizer) of the target at ``path``, or of the embedded SmolLM2 default when ``path`` is None."""
+AUTO_DEVICE = "auto"
+"""`device="auto"` (the command line's default, as in `transformers serve`): the machine's accelerator (CUDA, or
+XPU / MPS where torch has one) when it has one, else the CPU."""
+
+_DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+_DEVICE_FIX = "use one that exists here: cpu, or auto (the accelerator if there is one)"
+
+
+def resolve_device(device: str | int | torch.device) -> torch.device:
+    """The `torch.device` that ``device`` names, checked against this machine: "auto" (see `AUTO_DEVICE`), "cpu",
+    "cuda", "cuda:1", "mps", an accelerator index (1 = "cuda:1"), ... An accelerator without an index is this
+    process's own: under torchrun / accelerate launch the one of its LOCAL_RANK (as transformers' device_map="cuda"),
+    else the current one. A device that is not here, or a name torch does not know, is a UserInputError naming it
+    and the fix, so a typo fails before any model loads."""
+    if isinstance(device, str) and device.strip().lower() == AUTO_DEVICE:
+        if not torch.accelerator.is_available():
+            return torch.device("cpu")
+        device = torch.accelerator.current_accelerator().type
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise UserInputError(f"device must be a name such as 'cpu', 'cuda', 'cuda:1' or 'auto', got {device!r}.")
+    if isinstance(device, int):
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if accelerator is None:
+            raise UserInputError(f"no device {device} here: an index names an accelerator and this machine has none "
+                                 f"that torch {torch.__version__} can use; {_DEVICE_FIX}.")
+        device = f"{accelerator.type}:{device}"
+    try:
+        resolved = torch.device(device.strip() if isinstance(device, str) else device)
+    except (RuntimeError, ValueError):
+        raise UserInputError(f"unknown device {device!r}: use auto, cpu, cuda, cuda:N, mps or another torch device "
+                             "name.") from None
+    if resolved.type == "cpu":
+        return torch.device("cpu")
+    if resolved.type == "meta":
+        raise UserInputError(f"the meta device holds no weights, so no model can run on it; {_DEVICE_FIX}.")
+    try:
+        module = torch.get_device_module(resolved.type)
+    except (RuntimeError, AttributeError):
+        module = None
+    available = module is not None and getattr(module, "is_available", lambda: False)()
+    if not available:
+        raise UserInputError(f"no device {str(resolved)!r} here: this torch ({torch.__version__}) has no usable "
+                             f"{resolved.type} device; {_DEVICE_FIX}.")
+    count = getattr(module, "device_count", lambda: 1)()
+    if resolved.index is None:
+        current = module.current_device() if hasattr(module, "current_device") else 0
+        resolved = torch.device(resolved.type, int(os.environ.get("LOCAL_RANK", current)))
+    if resolved.index >= count:
+        raise UserInputError(f"no device {str(resolved)!r} here: this machine has {count} {resolved.type} "
+                             f"device{'s' if count != 1 else ''} (indices 0-{count - 1}); {_DEVICE_FIX}.")
+    return resolved
+
+
+def _checked_device_map(device_map):
+    """``device_map`` unchanged, once every device it names is checked (`resolve_device`), so a missing GPU is one
+    clear line rather than an error from deep inside the loading code."""
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise UserInputError("a device_map needs accelerate (transformers dispatches the weights with it): install it "
+                             "with pip install accelerate, or pass device= instead to place the whole model.")
+    if isinstance(device_map, str) and device_map in _DEVICE_MAP_STRATEGIES:
+        return device_map
+    places = device_map.values() if isinstance(device_map, dict) else [device_map]
+    for place in places:
+        if place not in ("disk", "cpu"):  # "disk" and "cpu" in a device_map are offloads transformers manages
+            resolve_device(place)
+    return device_map
+
+
+def placed_from_pretrained(load, path, what: str, *, device=None, device_map=None, **kwargs):
+    """``load(path, **kwargs)`` (a `from_pretrained`) placed on ``device`` or spread by ``device_map``, neither of
+    which may be given with the other. A single accelerator loads straight onto it when accelerate is installed
+    (transformers needs it for any device_map), otherwise on the CPU first; None keeps transformers' default, the
+    CPU. Errors a user can fix are UserInputErrors (see `_from_pretrained`)."""
+    if device is not None and device_map is not None:
+        raise UserInputError(f"the {what} got both device={device!r} and device_map={device_map!r}: pass device to "
+                             "put the whole model on one device, or device_map to spread it, not both.")
+    if device_map is not None:
+        return _from_pretrained(load, path, what, device_map=_checked_device_map(device_map), **kwargs)
+    if device is None:
+        return _from_pretrained(load, path, what, **kwargs)
+    import importlib.util
+
+    device = resolve_device(device)
+    if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+        return _from_pretrained(load, path, what, device_map=device, **kwargs)
+    return _from_pretrained(load, path, what, **kwargs).to(device)
+
+
+def load_target(path: str | None, dtype: str, device: str | torch.device | None = None, device_map=None):
+    """(model, tokenizer) of the target at ``path``, or of the embedded SmolLM2 default when ``path`` is None.
+
+    Args:
+        dtype: "float32", "bfloat16" or "float16" (a key of `DTYPES`).
+        device: where the whole model runs: "auto", "cpu", "cuda", "cuda:1", "mps", ... (see `resolve_device`);
+            None keeps transformers' default, the CPU.
+        device_map: instead of ``device``, a transformers `device_map` ("auto", or {module name: device}) that
+            spreads the target over several devices; a drafter then runs beside its LM head
+            (`DraftPreTrainedModel.attach_target`).
+    """
+    if dtype not in DTYPES:
+        raise UserInputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
     if path is None:
         from .default_target import load_default_target
 
-        return load_default_target(dtype=DTYPES[dtype])
+        return load_default_target(dtype=DTYPES[dtype], device=device, device_map=device_map)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = read_saved_config(path, "target")
     if config is not None and config.get("model_type") in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
         raise UserInputError(f"{path} holds an hf_dspark drafter, not a target model; pass it as --drafter and the "
                              "model it drafts for as --target.")
-    model = _from_pretrained(AutoModelForCausalLM.from_pretrained, path, "target", dtype=DTYPES[dtype]).eval()
+    model = placed_from_pretrained(AutoModelForCausalLM.from_pretrained, path, "target", device=device,
+                                   device_map=device_map, dtype=DTYPES[dtype]).eval()
     return model, _from_pretrained(AutoTokenizer.from_pretrained, path, "target")
 
 
@@ -90,9 +192,10 @@ def shipped_drafter_path(kind: str = "dspark") -> Path:
     return path
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype):
-    """A saved drafter in eval mode (`import hf_dspark` has registered its classes with `AutoModel`). A folder
-    holding another kind of model (e.g. the target itself) is refused before anything is loaded."""
+def load_drafter(path: str | Path, dtype: torch.dtype, device: str | torch.device | None = None):
+    """A saved drafter in eval mode (`import hf_dspark` has registered its classes with `AutoModel`), on ``device``
+    (as in `load_target`; generation moves it beside its target's LM head anyway). A folder holding another kind
+    of model (e.g. the target itself) is refused before anything is loaded."""
     from transformers import AutoModel  # the drafter classes are registered on `import hf_dspark`, our parent
 
     config = read_saved_config(path, "drafter")
@@ -105,4 +208,4 @@ def load_drafter(path: str | Path, dtype: torch.dtype):
     model = _from_pretrained(AutoModel.from_pretrained, str(path), "drafter", dtype=dtype).eval()
     if drafter_type(model) is None:
         raise UserInputError(f"{path} holds a {type(model).__name__}, not an hf_dspark drafter; pass a drafter.")
-    return model
+    return model if device is None else model.to(resolve_device(device))

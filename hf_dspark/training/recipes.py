@@ -60,8 +60,19 @@ def continue_drafter(kind: str, path: str, target):
         raise UserInputError(f"--init-from {path} holds a {found or 'non-drafter'} checkpoint, not a {kind} drafter; "
                              f"pass a {kind} drafter or the --kind it is.")
     drafter = (Eagle3DraftModel if kind == "eagle3" else DSparkDraftModel).from_pretrained(path)
-    drafter.attach_target(target)
-    return drafter.float().train()
+    drafter = drafter.float().to(target.device)  # trained in float32 whatever the target's dtype, on its device
+    drafter.attach_target(target, follow=False)
+    return drafter.train()
+
+
+def _check_training_device(trainer_device: torch.device, target_device: torch.device) -> None:
+    """The Trainer runs the drafter (and feeds the batches) on its own device; the target must be there too."""
+    if (trainer_device.type, trainer_device.index or 0) != (target_device.type, target_device.index or 0):
+        raise UserInputError(
+            f"the target is on {target_device} but training runs on {trainer_device} (the Trainer's device: the "
+            "first visible accelerator, or this process's under a launcher). Load the target there "
+            f"(--device {trainer_device}), or make {target_device} the visible one (e.g. CUDA_VISIBLE_DEVICES)."
+        )
 
 
 def assemble_dataset(tokenizer, regenerated: list[str], dataset_answers: int, max_length: int):
@@ -126,8 +137,9 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
         learning_rate=learning_rate, warmup_steps=0 if max_seconds else warmup_steps,
         lr_scheduler_type="constant" if max_seconds else "cosine", weight_decay=0.0,
         max_grad_norm=1.0, logging_steps=10, save_strategy="steps", save_steps=save_steps, save_total_limit=2,
-        report_to=[], use_cpu=not torch.cuda.is_available(), seed=seed, dataloader_num_workers=0,
+        report_to=[], use_cpu=target.device.type == "cpu", seed=seed, dataloader_num_workers=0,
     )
+    _check_training_device(args.device, target.device)
     trainer = DSparkTrainer(model=drafter, target=target, args=args, train_dataset=dataset, num_anchors=num_anchors,
                             callbacks=callbacks, **(loss_weights or {}))
     started = time.perf_counter()

@@ -114,7 +114,7 @@ class DSparkTrainer(Trainer):
                          eval_dataset=eval_dataset, **kwargs)
         drafter = self._drafter(model)
         if target is not None:
-            drafter.attach_target(target)
+            drafter.attach_target(target, follow=False)  # a drafter under training keeps its device and dtype
             target = target.eval().requires_grad_(False)
             if self.accelerator.num_processes > 1:
                 target = self.accelerator.prepare_model(target, evaluation_mode=True)
