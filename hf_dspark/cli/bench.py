@@ -33,7 +33,7 @@ def cmd_bench(args) -> int:
               f"{args.max_new_tokens} new tokens. Methods run interleaved prompt by prompt.", ""]
     raw, forward_costs = {}, {}
     for dtype in args.dtypes:
-        target, tokenizer = load_target(args.target, dtype)
+        target, tokenizer = load_target(args.target, dtype, device=args.device)
         line, forward_costs[dtype] = measure_forward_costs(target, dtype)
         report.append(line)
         print(line, flush=True)
@@ -77,11 +77,14 @@ def measure_forward_costs(target, dtype: str) -> tuple[str, dict]:
 
 
 def add_parser(sub, dtypes) -> None:
+    from hf_dspark.cli.generate import add_device_argument
+
     bench = sub.add_parser("bench", help="speed benchmark: plain, prompt lookup and drafters side by side")
     bench.add_argument("--drafters", nargs="*", default=None,
                        help="LABEL=PATH drafters (default: the shipped dspark, dflash and eagle3 drafters)")
     bench.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
     bench.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=dtypes)
+    add_device_argument(bench)
     bench.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     bench.add_argument("--benchmarks", nargs="+", default=["gsm8k", "math500", "humaneval", "mbpp", "mt-bench",
                                                             "alpaca"])

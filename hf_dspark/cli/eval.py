@@ -45,7 +45,7 @@ def cmd_eval(args) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"hf-dspark eval: {error}", file=sys.stderr)
         return 2
-    target, tokenizer = load_target(args.target, args.dtype)
+    target, tokenizer = load_target(args.target, args.dtype, device=args.device)
     drafters = load_drafters(named, target, args.schedule, args.target or "smollm2-135m-instruct")
     command = None
     if sys.argv[1:2] == ["eval"]:  # run from the shell (not through main([...]) in Python)
@@ -70,6 +70,8 @@ def cmd_eval(args) -> int:
 
 
 def add_parser(sub, dtypes) -> None:
+    from hf_dspark.cli.generate import add_device_argument
+
     ev = sub.add_parser("eval", help="evaluate drafters against plain decoding on prompt sets: tau, per-slot "
                                      "acceptance, calibration, speed-up, losslessness and task agreement")
     ev.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
@@ -85,6 +87,7 @@ def add_parser(sub, dtypes) -> None:
     ev.add_argument("--top-p", type=float, default=1.0)
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--dtype", default="float32", choices=dtypes)
+    add_device_argument(ev)
     ev.add_argument("--output", required=True,
                     help="output folder; rerunning with the same settings resumes from its records.jsonl")
     ev.add_argument("--multi-turn", action="store_true",

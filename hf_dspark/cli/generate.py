@@ -9,7 +9,14 @@ import torch
 from transformers import TextStreamer
 
 from hf_dspark.evaluation.prompts import chat_input_ids
-from hf_dspark.models.loading import load_drafter, shipped_drafter_path
+from hf_dspark.models.loading import AUTO_DEVICE, load_drafter, shipped_drafter_path
+
+DEVICE_HELP = "where the models run: auto (default: the GPU if there is one, else the CPU), cpu, cuda, cuda:1, mps"
+
+
+def add_device_argument(parser) -> None:
+    """`--device`, the same for every command that loads a model (the drafter runs beside its target)."""
+    parser.add_argument("--device", default=AUTO_DEVICE, help=DEVICE_HELP)
 
 
 def cost_table_for(target, drafter, target_name: str):
@@ -40,7 +47,7 @@ def load_drafters(named: dict[str, str], target, schedule: bool, target_name: st
 
     def loaded(path: str, suffix_drafting: bool | None):
         drafter = load_drafter(path, target.dtype)
-        drafter.attach_target(target)
+        drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
         if suffix_drafting is not None:  # None keeps the checkpoint's own setting
             drafter.suffix_drafting = suffix_drafting
         return drafter
@@ -80,9 +87,9 @@ def cmd_generate(args) -> int:
         print("hf-dspark generate: a custom --target needs its --drafter", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype]
-    target, tokenizer = load_target(args.target, args.dtype)
+    target, tokenizer = load_target(args.target, args.dtype, device=args.device)
     drafter = load_drafter(args.drafter or shipped_drafter_path(), dtype)
-    drafter.attach_target(target)
+    drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
     if args.no_suffix:
         drafter.suffix_drafting = False
     if not args.no_schedule:
@@ -105,6 +112,7 @@ def cmd_generate(args) -> int:
                 return 0
         messages.append({"role": "user", "content": prompt})
         input_ids = chat_input_ids(tokenizer, messages) if not args.raw else tokenizer(prompt, return_tensors="pt").input_ids
+        input_ids = input_ids.to(target.device)
         if args.chat:
             print("assistant> ", end="", flush=True)
         if args.compare and not messages[:-1]:
@@ -140,6 +148,7 @@ def add_parser(sub, dtypes) -> None:
     gen.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--drafter", default=None, help="drafter path (default: the shipped DSpark drafter)")
     gen.add_argument("--dtype", default="float32", choices=dtypes)
+    add_device_argument(gen)
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)

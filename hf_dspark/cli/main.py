@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from hf_dspark.models.loading import DTYPES, load_target
+from hf_dspark.cli.generate import add_device_argument
+from hf_dspark.models.loading import DTYPES, load_target, resolve_device
 
 
 def cmd_regenerate(args) -> int:
@@ -25,7 +26,7 @@ def cmd_regenerate(args) -> int:
     print(f"{before} conversations read, {before - len(conversations)} dropped (eval overlap or --max-prompts), "
           f"{len(conversations)} kept", file=sys.stderr)
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    target, tokenizer = load_target(args.target, args.dtype)
+    target, tokenizer = load_target(args.target, args.dtype, device=args.device)
     config = RegenerationConfig(
         max_new_tokens=args.max_new_tokens, greedy_fraction=args.greedy_fraction, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
@@ -60,7 +61,7 @@ def cmd_cache(args) -> int:
     from hf_dspark.training.target_cache import build_target_cache
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    target, tokenizer = load_target(args.target, args.dtype)
+    target, tokenizer = load_target(args.target, args.dtype, device=args.device)
     dataset = assemble_dataset(tokenizer, args.data or [], args.dataset_answers, args.max_length)
     layers = args.target_layers or default_cache_layers(target.config)
     manifest = build_target_cache(target, [dataset[i] for i in range(len(dataset))], args.output, layers,
@@ -74,17 +75,18 @@ def cmd_profile(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, _ = load_target(args.target, args.dtype)
+    target, _ = load_target(args.target, args.dtype, device=args.device)
     drafter = None
     if args.drafter:
         from hf_dspark.models.loading import load_drafter
 
         drafter = load_drafter(args.drafter, target.dtype)
     table = profile_verification_costs(target, max_tokens=args.max_tokens, context_length=args.context_length,
-                                       repeats=args.repeats, drafter=drafter)
+                                       repeats=args.repeats, drafter=drafter, rows=args.rows)
     table.save(args.output)
+    over = f" over {args.rows} rows" if args.rows > 1 else ""
     for n, seconds in enumerate(table.seconds, start=1):
-        print(f"B = {n:3d} tokens: {1000 * seconds:8.2f} ms  SPS {1 / seconds:7.2f}")
+        print(f"B = {n:3d} tokens{over}: {1000 * seconds:8.2f} ms  SPS {1 / seconds:7.2f}")
     if drafter is not None:
         print(f"drafter round: {1000 * table.draft_seconds:.2f} ms")
     print(f"written to {args.output}", file=sys.stderr)
@@ -100,7 +102,7 @@ def cmd_train(args) -> int:
     from hf_dspark.training.recipes import train_drafter
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    target, tokenizer = load_target(args.target, args.dtype)
+    target, tokenizer = load_target(args.target, args.dtype, device=args.device)
     summary = train_drafter(
         target, tokenizer, kind=args.kind, output_dir=args.output, regenerated=args.data or [],
         dataset_answers=args.dataset_answers, cache=args.cache, num_layers=args.num_layers, block_size=args.block_size,
@@ -123,6 +125,7 @@ def _add_data_arguments(parser, output_help: str) -> None:
     parser.add_argument("--output", required=True, help=output_help)
     parser.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    add_device_argument(parser)
     parser.add_argument("--data", nargs="*", help="folders of `hf-dspark regenerate` shards")
     parser.add_argument("--dataset-answers", type=int, default=0,
                         help="also use the first N ShareGPT conversations' own answers (off-policy contexts, "
@@ -139,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--output", required=True, help="output folder (resumes if it already holds shards)")
     regen.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
     regen.add_argument("--dtype", default="float32", choices=DTYPES)
+    add_device_argument(regen)
     regen.add_argument("--max-prompts", type=int, default=None)
     regen.add_argument("--max-new-tokens", type=int, default=384)
     regen.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -212,7 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--target", default=None, help="target model path (default: embedded SmolLM2-135M-Instruct)")
     profile.add_argument("--drafter", default=None, help="also time one drafting round of this drafter")
     profile.add_argument("--dtype", default="float32", choices=DTYPES)
+    add_device_argument(profile)
     profile.add_argument("--max-tokens", type=int, default=16, help="profile B = 1 .. this many tokens")
+    profile.add_argument("--rows", type=int, default=1,
+                         help="batch size to profile for: B tokens in total over this many rows, as the batched "
+                              "scheduler prices a round (default 1)")
     profile.add_argument("--context-length", type=int, default=256)
     profile.add_argument("--repeats", type=int, default=5)
     profile.add_argument("--threads", type=int, default=None)
@@ -239,6 +247,8 @@ def impossible_setting(args) -> str | None:
         ("top_k", "--top-k", lambda v: v >= 0, "must be >= 0 (0 = off)"),
         ("max_new_tokens", "--max-new-tokens", lambda v: v >= 1, "must be at least 1"),
         ("batch_size", "--batch-size", lambda v: v >= 1, "must be at least 1"),
+        ("rows", "--rows", lambda v: v >= 1, "must be at least 1"),
+        ("max_tokens", "--max-tokens", lambda v: v >= 1, "must be at least 1"),
     ]
     for name, flag, ok, rule in rules:
         value = getattr(args, name, None)
@@ -256,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = impossible_setting(args)
     if problem is None:
         try:
+            if getattr(args, "device", None) is not None:
+                resolve_device(args.device)  # a device that is not here fails before any data or model loads
             return args.func(args)
         except UserInputError as error:
             problem = str(error)
