@@ -90,6 +90,8 @@ def test_load_target_places_the_model_and_refuses_what_cannot_work(saved_target,
         load_target(str(saved_target), "float32", device="cpu", device_map="auto")
     with pytest.raises(UserInputError, match="unknown dtype 'int8'"):
         load_target(str(saved_target), "int8")
+    with pytest.raises(UserInputError, match=r"no device 'cuda:7' here"):
+        load_target(None, "float32", device=MISSING_DEVICE)  # the embedded default: refused before it loads
     assert load_drafter(saved_drafter, torch.float32, device="cpu").device == torch.device("cpu")
     with pytest.raises(UserInputError, match=r"no device 'cuda:7' here"):
         load_drafter(saved_drafter, torch.float32, device=MISSING_DEVICE)
