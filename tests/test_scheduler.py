@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_dspark.generation.verification import rejection_sample
-from hf_dspark.scheduling import DSparkScheduler, ThroughputDraftLength, VerificationCostTable
+from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
 from test_sampling_lossless import chi_square, critical_value
 
 
@@ -35,12 +35,13 @@ def test_single_request_matches_the_incremental_draft_length_rule():
     for _ in range(200):
         confidences = torch.rand(1, 7, generator=generator) ** 0.3
         batch = int(DSparkScheduler(table).select_lengths(confidences)[0])
-        incremental = ThroughputDraftLength(table)
-        length = 0
+        # The batch-1 reading of the rule: admit slot k while E(k) / cost(k + 1) rises (E(k) = 1 + S_1 + ... + S_k).
+        expected, rate, length = 1.0, 1.0 / table.padded_round_seconds(1), 0
         for survival in confidences[0].cumprod(0).tolist():
-            if not incremental.admit(survival):
+            admitted = (expected + survival) / table.padded_round_seconds(length + 2)
+            if admitted <= rate:
                 break
-            length += 1
+            expected, rate, length = expected + survival, admitted, length + 1
         assert batch == length
 
 

@@ -6,13 +6,13 @@ earlier rounds only, whether the drafter's block, a suffix match over the text s
 or no draft at all (a plain decoding step) gives the most expected tokens per second; the drafter then runs only
 in the rounds that use it and catches up on the context rows it skipped in one pass. The user's logits processors
 are applied exactly once to each draft slot, with the same context the target's slot will see during
-verification, and the processed logits are returned so that the verifier uses the very distribution the tokens
-were sampled from (one-hot for a suffix proposal).
+verification, and the distributions are returned so that the verifier uses the very distribution the tokens
+were sampled from (one-hot for a suffix proposal). DSpark and DFlash draft through the same core as the batched
+engine (`drafting.draft_block`, R = 1) and verify the length `DraftLengthRule` picks; a round reads the device
+once here (the verified length and its confidences) and once in the loop (the verification's outcome).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
@@ -21,15 +21,10 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..models.common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, DraftContextCache, DraftPreTrainedModel, drafter_type
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
-from ..scheduling.draft_length import (
-    DRAFTER,
-    NO_DRAFT,
-    SUFFIX,
-    ProposalStatistics,
-    RoundPlanner,
-    ThroughputDraftLength,
-)
-from .stats import SpeculativeStats
+from ..scheduling.draft_length import DRAFTER, NO_DRAFT, SUFFIX, DraftLengthRule, ProposalStatistics, RoundPlanner
+from .drafting import Drafts, draft_block, one_hot_probs
+from .sampling import ProcessorSampling
+from .stats import PhaseClock, SpeculativeStats
 from .suffix import SuffixIndex
 
 
@@ -43,10 +38,12 @@ class DraftCandidateGenerator(CandidateGenerator):
         drafter: DraftPreTrainedModel,
         logits_processor: LogitsProcessorList | None,
         generation_config: GenerationConfig,
+        device: torch.device | None = None,
     ):
         self.drafter = drafter
-        self.logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
-        self.do_sample = bool(generation_config.do_sample)
+        self.sampling = ProcessorSampling(logits_processor, bool(generation_config.do_sample))
+        self.logits_processor = self.sampling.processors
+        self.do_sample = self.sampling.any_sampled
         self.max_length = generation_config.max_length
         self.model_kwargs_overrides = {"output_hidden_states": drafter.target_hidden_state_indices}
         self.cache = DraftContextCache()
@@ -54,6 +51,8 @@ class DraftCandidateGenerator(CandidateGenerator):
         self.observed_length = 0  # sequence positions whose target features were taken from a target forward
         self._pending: list[torch.Tensor] = []  # features of positions context_length..observed_length
         self.stats = SpeculativeStats()
+        device = device if device is not None else next(drafter.parameters()).device
+        self.clock = PhaseClock(device, getattr(drafter, "time_phases", None))
         self._round_confidences: list[float] = []
         self._round_source = NO_DRAFT
         self._watched: list[tuple[int, list[int], int]] = []  # suffix proposals not yet scored
@@ -63,7 +62,46 @@ class DraftCandidateGenerator(CandidateGenerator):
         self.planner = RoundPlanner(drafter.verification_costs, drafter_has_confidences(drafter),
                                     drafter.proposal_statistics)
 
-    # -- protocol ---------------------------------------------------------------------------------------------
+    # -- our loop -------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def propose(self, input_ids: torch.LongTensor, model_outputs) -> Drafts:
+        """The next round's drafts after the committed `input_ids` (1, L): `Drafts` with `lengths` (1,) and, as
+        `drafts.length`, the verified length on the host. `model_outputs` is the last target forward's."""
+        self._observe(input_ids, model_outputs)
+        self.sampling.sequence = input_ids
+        budget = min(self.drafter.draft_length(), self.max_length - input_ids.shape[1] - 1)
+        self._round_confidences, self._round_source = [], NO_DRAFT
+        if budget <= 0:
+            return self._host_length(Drafts.empty(1, input_ids.device), 0)
+        proposal, match = self.suffix.propose(budget) if self.suffix is not None else ([], 0)
+        if proposal:
+            self._watched.append((len(self.suffix.tokens), proposal, match))
+        source, length = DRAFTER, 0
+        if self.drafter.round_planning:
+            started = self.clock.now()
+            source, length = self.planner.choose(proposal, match)
+            self.clock.lap(self.stats, "planning", started)
+        if source == SUFFIX:
+            self._round_source = SUFFIX
+            return self._suffix_drafts(input_ids, proposal[:length])
+        if source == NO_DRAFT:
+            return self._host_length(Drafts.empty(1, input_ids.device), 0)
+        self._round_source = DRAFTER
+        features = torch.cat(self._pending, dim=1)
+        self._pending = []
+        self.context_length = self.observed_length
+        drafts = self._draft(input_ids, features, budget)
+        self.planner.record_drafter(self._round_confidences)
+        return drafts
+
+    def record_round(self, num_accepted: int, draft_length: int) -> None:
+        """After verification (host values): the round's statistics."""
+        if self._round_source == DRAFTER:
+            self.planner.record_drafter_accepted(num_accepted, draft_length)
+        self.stats.record(draft_length, num_accepted, self._round_confidences, self._round_source)
+
+    # -- transformers' CandidateGenerator protocol -----------------------------------------------------------
 
     @torch.no_grad()
     def get_candidates(
@@ -74,50 +112,24 @@ class DraftCandidateGenerator(CandidateGenerator):
         is_first_iteration: bool = False,
         n_last_matches: int = 0,
     ) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
-        """Return (input_ids followed by k drafted tokens, processed draft logits (1, k, V)); k may be 0."""
+        """Return (input_ids followed by k drafted tokens, draft log-probabilities (1, k, V) or None); k may be 0."""
         if is_first_iteration or model_outputs is None:
             return input_ids, None
-        self._observe(input_ids, model_outputs)
-        budget = min(self.drafter.draft_length(), self.max_length - input_ids.shape[1] - 1)
-        self._round_confidences, self._round_source = [], NO_DRAFT
-        if budget <= 0:
-            return input_ids, None
-        proposal, match = self.suffix.propose(budget) if self.suffix is not None else ([], 0)
-        if proposal:
-            self._watched.append((len(self.suffix.tokens), proposal, match))
-        source, length = DRAFTER, 0
-        if self.drafter.round_planning:
-            started = time.perf_counter()
-            source, length = self.planner.choose(proposal, match)
-            self.stats.add_seconds("planning", time.perf_counter() - started)
-        if source == SUFFIX:
-            self._round_source = SUFFIX
-            return self._suffix_candidates(input_ids, proposal[:length])
-        if source == NO_DRAFT:
-            return input_ids, None
-        self._round_source = DRAFTER
-        features = torch.cat(self._pending, dim=1)
-        self._pending = []
-        self.context_length = self.observed_length
-        tokens, logits = self._draft(input_ids, features, budget)
-        self.planner.record_drafter(self._round_confidences)
-        if tokens.shape[1] == 0:
-            return input_ids, None
+        drafts = self.propose(input_ids, model_outputs)
+        tokens = drafts.tokens[:, : drafts.length]
+        logits = drafts.probs[:, : drafts.length].log() if drafts.probs is not None and drafts.length else None
         return torch.cat([input_ids, tokens], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         """Called after verification: records the round (the draft length is the slots verified)."""
-        draft_length = scores.shape[1] - 1
-        if self._round_source == DRAFTER:
-            self.planner.record_drafter_accepted(int(num_matches), draft_length)
-        self.stats.record(draft_length, int(num_matches), self._round_confidences, self._round_source)
+        self.record_round(int(num_matches), scores.shape[1] - 1)
 
-    def extend_text(self, new_tokens: torch.LongTensor) -> None:
-        """Tell the suffix index about tokens appended to the sequence (the prompt, then each round's output), and
-        score the suffix proposals made so far against the text that followed them."""
+    def extend_text(self, new_tokens: list[int]) -> None:
+        """Tell the suffix index about tokens appended to the sequence (the prompt, then each round's output, as
+        host ints), and score the suffix proposals made so far against the text that followed them."""
         if self.suffix is None:
             return
-        self.suffix.extend(new_tokens[0].tolist())
+        self.suffix.extend(new_tokens)
         text, still_open = self.suffix.tokens, []
         for start, proposal, match in self._watched:
             seen = text[start : start + len(proposal)]
@@ -134,6 +146,11 @@ class DraftCandidateGenerator(CandidateGenerator):
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _host_length(drafts: Drafts, length: int) -> Drafts:
+        drafts.length = length
+        return drafts
+
     def _observe(self, input_ids: torch.LongTensor, model_outputs) -> None:
         """Keep the target features of the positions committed by the last forward (all before the anchor)."""
         anchor_position = input_ids.shape[1] - 1
@@ -145,31 +162,22 @@ class DraftCandidateGenerator(CandidateGenerator):
                 f"drafter context is out of step with the sequence: {self.observed_length} rows observed, anchor at "
                 f"{anchor_position}, {width} new target rows"
             )
-        features = torch.cat([hidden_states[i][:, :new_rows] for i in self.drafter.target_hidden_state_indices], dim=-1)
+        # With a device_map the layers' states live on their layers' devices; the drafter sits by the LM head.
+        device = self.drafter.device
+        features = torch.cat([hidden_states[i][:, :new_rows].to(device) for i in self.drafter.target_hidden_state_indices],
+                             dim=-1)
         self._pending.append(features)
         self.observed_length = anchor_position
 
-    def _suffix_candidates(self, input_ids, proposal: list[int]):
+    def _suffix_drafts(self, input_ids, proposal: list[int]) -> Drafts:
         """A suffix proposal as drafts: each slot's draft distribution is the point mass on its token (sampling
-        accepts x with probability min(1, p(x))). Greedy verification compares tokens only, so it gets no logits."""
+        accepts x with probability min(1, p(x))). Greedy verification compares tokens only, so it gets none."""
         tokens = torch.tensor([proposal], dtype=input_ids.dtype, device=input_ids.device)
-        if not self.do_sample:
-            return torch.cat([input_ids, tokens], dim=-1), None
-        vocab = self.drafter.config.vocab_size
-        logits = torch.full((1, len(proposal), vocab), float("-inf"), device=input_ids.device)
-        logits.scatter_(-1, tokens[..., None], 0.0)
-        return torch.cat([input_ids, tokens], dim=-1), logits
+        probs = one_hot_probs(tokens, self.drafter.config.vocab_size) if self.do_sample else None
+        lengths = torch.full((1,), len(proposal), dtype=torch.long, device=input_ids.device)
+        return self._host_length(Drafts(tokens, probs, lengths), len(proposal))
 
-    def _choose(self, logits: torch.Tensor, context_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
-        """Apply the processors once, then pick the draft token from the processed distribution."""
-        processed = self.logits_processor(context_ids, self.drafter.to_target_vocab(logits.float()))
-        if self.do_sample:
-            token = torch.multinomial(processed.softmax(dim=-1), num_samples=1)
-        else:
-            token = processed.argmax(dim=-1, keepdim=True)
-        return token, processed
-
-    def _draft(self, input_ids, features, budget):  # pragma: no cover - abstract
+    def _draft(self, input_ids, features, budget) -> Drafts:  # pragma: no cover - abstract
         raise NotImplementedError
 
 
@@ -178,9 +186,14 @@ def drafter_has_confidences(drafter) -> bool:
 
 
 class DSparkCandidateGenerator(DraftCandidateGenerator):
-    """DSpark and DFlash: one parallel backbone pass per round, then sequential sampling through the head."""
+    """DSpark and DFlash: one parallel backbone pass per round, then the sequential head through the shared
+    drafting core, then the draft-length rule on the device."""
 
     drafter: DSparkDraftModel
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rule = DraftLengthRule.for_drafter(self.drafter)
 
     def _backbone(self, input_ids, features):
         config = self.drafter.config
@@ -188,43 +201,23 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
         block = torch.cat([anchor, anchor.new_full((1, config.block_size - 1), config.mask_token_id)], dim=-1)
         return self.drafter(input_ids=block, target_hidden_states=features, cache=self.cache)
 
-    def _draft(self, input_ids, features, budget):
-        started = time.perf_counter()
+    def _draft(self, input_ids, features, budget) -> Drafts:
+        started = self.clock.now()
         out = self._backbone(input_ids, features)
-        backbone_done = time.perf_counter()
-        self.stats.add_seconds("backbone", backbone_done - started)
-        hidden, base_logits = out.last_hidden_state[0], out.base_logits[0]
-        head = self.drafter.sequential_head
-        threshold = self.drafter.confidence_threshold
-        schedule = None
-        if self.drafter.confidence_proj is not None and self.drafter.verification_costs is not None:
-            schedule = ThroughputDraftLength(self.drafter.verification_costs)
-
-        previous = input_ids[:, -1]
-        state = head.initial_state(1, hidden) if head is not None else None
-        sequence, tokens, processed_logits = input_ids, [], []
-        survival = 1.0
-        for slot in range(budget):
-            logits, confidence, state = self.drafter.draft_slot(
-                hidden[slot : slot + 1], base_logits[slot : slot + 1], previous, state, slot
-            )
-            if confidence is not None:
-                survival *= float(confidence)
-                # Stopping on c_1..c_k only (never on x_k itself) keeps the variable draft length lossless.
-                if threshold is not None and self.drafter.below_confidence_threshold(survival, float(confidence)):
-                    break
-                if schedule is not None and not schedule.admit(survival):
-                    break
-                self._round_confidences.append(float(confidence))
-            token, processed = self._choose(logits, sequence)
-            tokens.append(token)
-            processed_logits.append(processed)
-            sequence = torch.cat([sequence, token], dim=-1)
-            previous = token[:, 0]
-        self.stats.add_seconds("sequential_head", time.perf_counter() - backbone_done)
-        if not tokens:
-            return input_ids.new_zeros(1, 0), None
-        return torch.cat(tokens, dim=-1), torch.stack(processed_logits, dim=1)
+        started = self.clock.lap(self.stats, "backbone", started)
+        budget = min(budget, self.rule.max_slots(budget))
+        tokens, probs, confidences = draft_block(self.drafter, out, input_ids[:, -1], budget, self.sampling)
+        budgets = torch.full((1,), budget, dtype=torch.long, device=input_ids.device)
+        lengths = self.rule.lengths(confidences, budgets)
+        if confidences is None:
+            length = budget
+        else:
+            # The round's one read of the device: the verified length and the confidences of its slots.
+            values = torch.cat([lengths.to(confidences.dtype), confidences[0]]).tolist()
+            length = int(values[0])
+            self._round_confidences = values[1 : 1 + length]
+        self.clock.lap(self.stats, "sequential_head", started)
+        return self._host_length(Drafts(tokens, probs, lengths, confidences), length)
 
 
 class Eagle3CandidateGenerator(DraftCandidateGenerator):
@@ -238,22 +231,26 @@ class Eagle3CandidateGenerator(DraftCandidateGenerator):
         next_tokens = input_ids[:, first_row + 1 : self.context_length + 1]
         return self.drafter(input_ids=next_tokens, target_hidden_states=features, cache=self.cache)
 
-    def _draft(self, input_ids, features, budget):
-        started = time.perf_counter()
+    def _draft(self, input_ids, features, budget) -> Drafts:
+        started = self.clock.now()
         out = self._context_pass(input_ids, features)
         logits, state = out.logits[:, -1], out.hidden_states[:, -1:]
-        sequence, tokens, processed_logits = input_ids, [], []
+        tokens, probs = [], []
         for step in range(budget):
-            token, processed = self._choose(logits, sequence)
+            processed = self.sampling.process(self.drafter.to_target_vocab(logits.float()),
+                                              torch.stack(tokens, dim=1) if tokens else input_ids[:, :0])
+            token, distribution = self.sampling.choose(processed)
             tokens.append(token)
-            processed_logits.append(processed)
-            sequence = torch.cat([sequence, token], dim=-1)
+            if distribution is not None:
+                probs.append(distribution)
             if step + 1 < budget:
-                out = self.drafter(input_ids=token, hidden_states=state, cache=self.cache)
+                out = self.drafter(input_ids=token[:, None], hidden_states=state, cache=self.cache)
                 logits, state = out.logits[:, -1], out.hidden_states
         self.cache.crop(self.context_length)  # drafted rows were built on the drafter's own states
-        self.stats.add_seconds("drafting", time.perf_counter() - started)
-        return torch.cat(tokens, dim=-1), torch.stack(processed_logits, dim=1)
+        self.clock.lap(self.stats, "drafting", started)
+        lengths = torch.full((1,), budget, dtype=torch.long, device=input_ids.device)
+        return self._host_length(Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
+                                        lengths), budget)
 
 
 def candidate_generator_for(

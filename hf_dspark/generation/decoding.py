@@ -12,7 +12,6 @@ its outputs are laid out as stock `generate` lays out a batch.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +27,13 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..models.common import BLOCK_DRAFTER_TYPE, DraftPreTrainedModel, drafter_type
-from .batched import (BatchedOutput, SpeculativeEngine, check_left_padded, check_sampling_processors,
-                      resolve_verification_policy)
+from ..scheduling.draft_length import resolve_verification_policy
+from .batched import BatchedOutput, SpeculativeEngine, check_left_padded
 from .candidates import candidate_generator_for
+from .drafting import Drafts, verify_drafts
+from .sampling import check_sampling_processors
 from .stats import SpeculativeStats
 from .target_forward import target_runner_for
-from .verification import greedy_verify, rejection_sample
 
 _PASSED_BY_GENERATE = {"cache", "attention_mask", "position_ids", "logits_to_keep", "use_cache"}
 
@@ -79,6 +79,33 @@ def _check_request(target, input_ids, generation_config: GenerationConfig, model
     _check_cache_and_inputs(model_kwargs)
 
 
+class _HostStoppingRule:
+    """`generate`'s own criteria (max length, EOS) decided on the host from the tokens a round emits, which the
+    loop reads anyway, instead of a device check per token. Other criteria run per token, as in plain decoding."""
+
+    def __init__(self, max_length: int | None, eos: set[int]):
+        self.max_length, self.eos = max_length, eos
+
+    @classmethod
+    def from_criteria(cls, stopping_criteria: StoppingCriteriaList) -> "_HostStoppingRule | None":
+        max_length, eos = None, set()
+        for criterion in stopping_criteria:
+            if type(criterion) is MaxLengthCriteria:
+                max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+            elif type(criterion) is EosTokenCriteria:
+                eos.update(criterion.eos_token_id.flatten().tolist())
+            else:
+                return None
+        return cls(max_length, eos)
+
+    def first_stop(self, tokens: list[int], length: int) -> tuple[int, bool]:
+        """(how many of `tokens` to append after a sequence of `length`, whether generation ends there)."""
+        for j, token in enumerate(tokens):
+            if token in self.eos or (self.max_length is not None and length + j + 1 >= self.max_length):
+                return j + 1, True
+        return len(tokens), False
+
+
 @torch.no_grad()
 def speculative_decoding(
     target,
@@ -97,11 +124,13 @@ def speculative_decoding(
         )
     _check_request(target, input_ids, generation_config, model_kwargs)
     check_sampling_processors(logits_processor)  # the batched engine's rules, so both paths refuse alike
-    drafter.attach_target(target)
+    drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
     generator = candidate_generator_for(drafter, logits_processor, generation_config)
+    sampling, clock, stats = generator.sampling, generator.clock, generator.stats
     layer_indices = generator.model_kwargs_overrides["output_hidden_states"]
     cache = model_kwargs["cache"]
     runner = target_runner_for(target, cache, generation_config, layer_indices)
+    stop_rule = _HostStoppingRule.from_criteria(stopping_criteria)
 
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
@@ -109,51 +138,50 @@ def speculative_decoding(
     raw_logits = () if want_logits else None
 
     sequence = input_ids
-    generator.extend_text(sequence)
+    generator.extend_text(sequence[0].tolist())
     outputs, target_logits = runner.forward(sequence, keep=1)
-    draft_tokens = sequence.new_zeros(1, 0)
-    draft_logits = None
+    drafts = Drafts.empty(1, sequence.device)
+    drafts.length = 0
     is_prefill = True
     while True:
-        num_drafts = draft_tokens.shape[1]
-        processed = target_logits.clone()
-        for i in range(num_drafts + 1):
-            context = torch.cat([sequence, draft_tokens[:, :i]], dim=-1)
-            processed[:, i] = logits_processor(context, processed[:, i])
-
-        if generation_config.do_sample:
-            draft_probs = draft_logits.softmax(-1) if draft_logits is not None else processed[:, :0]
-            num_accepted, next_token = rejection_sample(draft_tokens, draft_probs, processed.softmax(-1))
-        else:
-            num_accepted, next_token = greedy_verify(draft_tokens, processed)
-        num_accepted = int(num_accepted[0])
-        new_tokens = torch.cat([draft_tokens[:, :num_accepted], next_token[:, None]], dim=-1)
+        sampling.sequence = sequence
+        num_accepted, next_token, processed = verify_drafts(sampling, target_logits, drafts)
+        drafted = drafts.length
+        new_tokens = torch.cat([drafts.tokens[:, :drafted], next_token[:, None]], dim=1)
+        new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
+        # The round's one read of the device in this loop: the accepted count and the tokens it emits.
+        values = torch.cat([num_accepted, new_tokens[0]]).tolist()
+        accepted, emitted = values[0], values[1 : 2 + values[0]]
         if not is_prefill:
-            generator.update_candidate_strategy(sequence, processed, num_accepted)
+            generator.record_round(accepted, drafted)
         is_prefill = False
 
-        finished, emitted_from = False, sequence.shape[1]
-        for j in range(new_tokens.shape[1]):
-            sequence = torch.cat([sequence, new_tokens[:, j : j + 1]], dim=-1)
-            if want_scores:
-                scores += (processed[:, j],)
-            if want_logits:
-                raw_logits += (target_logits[:, j],)
-            if bool(stopping_criteria(sequence, scores).all()):
-                finished = True
-                break
+        if stop_rule is not None:
+            count, finished = stop_rule.first_stop(emitted, sequence.shape[1])
+            sequence = torch.cat([sequence, new_tokens[:, :count]], dim=-1)
+        else:  # a criterion of the user's: it sees every token, as in plain decoding
+            count, finished = 0, False
+            for j in range(len(emitted)):
+                sequence = torch.cat([sequence, new_tokens[:, j : j + 1]], dim=-1)
+                count += 1
+                if bool(stopping_criteria(sequence, scores).all()):
+                    finished = True
+                    break
+        if want_scores:
+            scores += tuple(processed[:, j] for j in range(count))
+        if want_logits:
+            raw_logits += tuple(target_logits[:, j] for j in range(count))
         if streamer is not None:
-            streamer.put(sequence[:, sequence.shape[1] - j - 1 :].cpu())
+            streamer.put(new_tokens[:, :count].cpu())
         # The cache holds every position but the newest token, as after plain decoding.
         runner.crop(sequence.shape[1] - 1)
-        generator.extend_text(sequence[:, emitted_from:])  # also scores the last proposals for later calls
+        generator.extend_text(emitted[:count])  # also scores the last proposals for later calls
         if finished:
             break
 
-        candidates, draft_logits = generator.get_candidates(sequence, model_outputs=outputs, n_last_matches=num_accepted)
-        draft_tokens = candidates[:, sequence.shape[1] :]
-        started = time.perf_counter()
-        tokens = candidates[:, sequence.shape[1] - 1 :]
+        drafts = generator.propose(sequence, outputs)
+        started = clock.now()
+        tokens = torch.cat([sequence[:, -1:], drafts.tokens[:, : drafts.length].to(sequence.device)], dim=-1)
         real = tokens.shape[1]
         if drafter.verification_costs is not None:
             # Pad to the cheapest forward size: later dummy tokens cannot change earlier logits (causal), their
@@ -162,7 +190,7 @@ def speculative_decoding(
             tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - real)], dim=-1)
         outputs, target_logits = runner.forward(tokens, keep=tokens.shape[1])
         target_logits = target_logits[:, :real]
-        generator.stats.add_seconds("verification", time.perf_counter() - started)
+        clock.lap(stats, "verification", started)
 
     if streamer is not None:
         streamer.end()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -86,3 +89,29 @@ class SpeculativeStats:
             self.sources + other.sources,
             seconds,
         )
+
+
+class PhaseClock:
+    """Reads the clock for per-phase seconds. On an accelerator the device is synchronised first (queued kernels
+    would otherwise be billed to whichever phase waits for them), which costs a host round-trip per reading, so
+    there it runs only when asked (`drafter.time_phases = True`); on the CPU it is free and always on."""
+
+    def __init__(self, device: torch.device, enabled: bool | None = None):
+        self.synchronise = device.type != "cpu"
+        self.enabled = (not self.synchronise) if enabled is None else enabled
+        self.device = device
+
+    def now(self) -> float:
+        if not self.enabled:
+            return 0.0
+        if self.synchronise:
+            torch.accelerator.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, stats: "SpeculativeStats", phase: str, started: float) -> float:
+        """Add the seconds since `started` to `phase`; returns the reading, the start of the next phase."""
+        if not self.enabled:
+            return 0.0
+        now = self.now()
+        stats.add_seconds(phase, now - started)
+        return now

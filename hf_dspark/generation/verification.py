@@ -8,12 +8,22 @@ distributions p_1..p_{k+1} at the same positions:
   a sample of norm(max(p_i - q_i, 0)); if every draft was accepted emit the bonus token, a sample of p_{k+1}.
 
 Either way the emitted tokens are distributed exactly as the target's own decoding (Leviathan et al. 2023,
-Chen et al. 2023). Shapes: R rows (requests), k draft slots, V vocabulary.
+Chen et al. 2023). Shapes: R rows (requests), k draft slots, V vocabulary. Nothing here reads a value back to the
+host: the caller fetches the (number accepted, next token) pair once.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.LongTensor:
+    """One draw per row of (R, V) probabilities (unnormalised is fine): argmax_i p_i / E_i with E_i ~ Exp(1).
+    E_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is i with probability p_i / sum(p): the
+    categorical distribution, drawn without the host round-trip of `torch.multinomial`'s checks. E_i = 0 (possible
+    in float) is raised to the smallest positive float, so a p_i = 0 never wins (0 / tiny = 0)."""
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / race.clamp_min_(torch.finfo(race.dtype).tiny)).argmax(dim=-1)
 
 
 def _slot_is_drafted(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor | None) -> torch.Tensor:
@@ -64,5 +74,4 @@ def rejection_sample(
     mass = residual.sum(dim=-1, keepdim=True)
     # mass is 0 only when p == q up to rounding, where a rejection has probability ~0: fall back to p.
     residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), p_next)
-    next_token = torch.multinomial(residual, 1, generator=generator).squeeze(1)
-    return num_accepted, next_token
+    return num_accepted, sample(residual, generator)

@@ -1,14 +1,15 @@
 from .calibration import auroc, expected_calibration_error, fit_sequential_temperatures
 from .cost_table import VerificationCostTable, profile_verification_costs
-from .draft_length import ThroughputDraftLength
+from .draft_length import DraftLengthRule, resolve_verification_policy
 from .scheduler import DSparkScheduler
 
 __all__ = [
     "DSparkScheduler",
-    "ThroughputDraftLength",
+    "DraftLengthRule",
     "VerificationCostTable",
     "auroc",
     "expected_calibration_error",
     "fit_sequential_temperatures",
     "profile_verification_costs",
+    "resolve_verification_policy",
 ]

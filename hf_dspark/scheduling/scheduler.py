@@ -31,8 +31,9 @@ class DSparkScheduler:
     """`select_lengths(confidences, max_lengths)` -> per-request draft lengths to verify this round.
 
     Args:
-        cost_table: SPS(B), the verification steps per second at B tokens in the batch, as a
-            `VerificationCostTable` (profiled by `hf-dspark profile`, or given by hand for simulation).
+        cost_table: SPS(B) = 1 / `padded_round_seconds(B)`, the rounds per second with B tokens verified (the
+            same price as at batch size 1), as a `VerificationCostTable` (profiled by `hf-dspark profile`, with
+            `--rows` at the batch size served, or given by hand for simulation).
         early_stop: stop at the first admission that does not raise throughput (lossless). `False` takes the
             global best over all prefixes of the ranking (biased; kept for comparison only). In
             ``"two_steps_ago"`` mode it only governs the fallback of the first two rounds.
@@ -60,6 +61,7 @@ class DSparkScheduler:
         self.probe_every = probe_every
         self._history: deque[torch.Tensor] = deque(maxlen=2)  # survivals of the last two calls, oldest first
         self._skipped = 0
+        self._cost_cache: dict[tuple, torch.Tensor] = {}
 
     def reset(self) -> None:
         """Forget the confidences of earlier rounds: the next two calls fall back to the ``"current"`` rule."""
@@ -70,13 +72,14 @@ class DSparkScheduler:
         """Whether the coming round needs drafts at all. False only in ``"two_steps_ago"`` mode when, by the
         stored confidences, the best budget's expected throughput (drafting paid) does not beat a plain step that
         skips drafting, and this is not a probing round. The answer depends on earlier rounds only, so skipping
-        the drafter keeps decoding lossless: the round is a plain step."""
+        the drafter keeps decoding lossless: the round is a plain step. (One host read, in that mode only.)"""
         if self.mode != "two_steps_ago" or len(self._history) < 2:
             return True
-        rows = self._history[0].shape[0]
-        _, with_drafts = self._search(self._history[0], early_stop=False)
-        plain = rows / (self.cost_table.round_seconds(rows) - self.cost_table.draft_seconds)
-        if with_drafts > plain:
+        survival = self._history[0]
+        rows = survival.shape[0]
+        throughputs = self._throughputs(survival)[0]
+        plain = rows / (self.cost_table.padded_round_seconds(rows) - self.cost_table.draft_seconds)
+        if bool(throughputs.max() > plain):
             self._skipped = 0
             return True
         self._skipped += 1
@@ -86,7 +89,8 @@ class DSparkScheduler:
         return False
 
     def select_lengths(self, confidences: torch.Tensor, max_lengths: torch.Tensor | None = None) -> torch.LongTensor:
-        """confidences (R, gamma) conditional acceptance probabilities; max_lengths (R,) drafts available."""
+        """confidences (R, gamma) conditional acceptance probabilities; max_lengths (R,) drafts available ->
+        lengths (R,) on the confidences' device, computed there (no host round-trip)."""
         survival = _survival(confidences, max_lengths)
         if self.mode == "current":
             return self._lengths(survival, self._admissions(survival, self.early_stop))
@@ -100,57 +104,59 @@ class DSparkScheduler:
     def batch_budget(self, confidences: torch.Tensor, max_lengths: torch.Tensor | None = None) -> int:
         """K: how many draft positions of the ranking the throughput search admits (global best, no early
         stop). In ``"two_steps_ago"`` mode this is computed on a round's confidences and used two rounds later."""
-        return self._admissions(_survival(confidences, max_lengths), early_stop=False)
+        return int(self._admissions(_survival(confidences, max_lengths), early_stop=False))
 
-    def _admissions(self, survival: torch.Tensor, early_stop: bool) -> int:
-        """How many positions of the ranking to admit: the count with the best E * SPS(B), or (early stop) the
-        count reached before the first admission that does not raise it."""
-        return self._search(survival, early_stop)[0]
+    def _admissions(self, survival: torch.Tensor, early_stop: bool) -> torch.LongTensor:
+        """How many positions of the ranking to admit (a 0-d tensor): the count with the best E * SPS(B) (the
+        first, on ties), or (early stop) the count reached before the first admission that does not raise it."""
+        throughputs = self._throughputs(survival)[0]
+        if early_stop:
+            return (throughputs[1:] > throughputs[:-1]).long().cumprod(0).sum()
+        return throughputs.argmax()
 
-    def _search(self, survival: torch.Tensor, early_stop: bool) -> tuple[int, float]:
-        """`_admissions` and the expected throughput E * SPS(B) of admitting that many (drafting paid)."""
-        rows = survival.shape[0]
-        expected, batch = float(rows), rows
-        best_throughput = expected * self.cost_table.steps_per_second(batch)
-        admitted = best_count = 0
-        values = survival.tolist()
-        for row, slot in ranking(survival):
-            value = values[row][slot]
-            if value < 0:
-                break
-            expected, batch = expected + value, batch + 1
-            throughput = expected * self.cost_table.steps_per_second(batch)
-            admitted += 1
-            if throughput > best_throughput:
-                best_throughput, best_count = throughput, admitted
-            elif early_stop:
-                break
-        return best_count, best_throughput
+    def _throughputs(self, survival: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor]:
+        """E * SPS(B) after admitting the first n positions of the ranking, n = 0..R*gamma (-inf past the available
+        ones), and the ranking itself (indices into the slot-major flattening of `survival`)."""
+        rows, gamma = survival.shape
+        order = ranking(survival)
+        values = survival.t().reshape(-1)[order].double()
+        expected = torch.cat([values.new_full((1,), float(rows)), rows + values.clamp_min(0).cumsum(0)])
+        throughputs = expected / self._costs(rows, rows * gamma, survival.device)
+        available = torch.cat([values.new_ones(1, dtype=torch.bool), values >= 0])
+        return throughputs.masked_fill(~available, float("-inf")), order
+
+    def _costs(self, rows: int, positions: int, device) -> torch.Tensor:
+        """Round seconds at B = rows .. rows + positions verified tokens (one rule at every batch size: the
+        table's `padded_round_seconds`, as at batch 1), cached per shape."""
+        key = (rows, positions, str(device))
+        if key not in self._cost_cache:
+            seconds = [self.cost_table.padded_round_seconds(b) for b in range(rows, rows + positions + 1)]
+            self._cost_cache[key] = torch.tensor(seconds, dtype=torch.float64, device=device)
+        return self._cost_cache[key]
 
     @staticmethod
-    def _lengths(survival: torch.Tensor, count: int) -> torch.LongTensor:
-        """Per-row lengths of the top `count` available positions of the ranking (each row gets a prefix)."""
-        lengths = torch.zeros(survival.shape[0], dtype=torch.long)
-        values = survival.tolist()
-        for row, slot in ranking(survival)[:count]:
-            if values[row][slot] < 0:
-                break
-            lengths[row] += 1
-        return lengths
+    def _lengths(survival: torch.Tensor, count: torch.Tensor) -> torch.LongTensor:
+        """Per-row lengths of the top `count` positions of the ranking (each row gets a prefix of its slots)."""
+        rows = survival.shape[0]
+        order = ranking(survival)
+        admitted = torch.arange(order.shape[0], device=survival.device) < count
+        admitted &= survival.t().reshape(-1)[order] >= 0  # a budget K from earlier rounds may exceed what is here
+        return torch.zeros(rows, dtype=torch.long, device=survival.device).scatter_add_(0, order % rows,
+                                                                                      admitted.long())
 
 
 def _survival(confidences: torch.Tensor, max_lengths: torch.Tensor | None) -> torch.Tensor:
-    """Cumulative survivals (R, gamma) on the CPU, -1 where no draft is available (never admitted)."""
+    """Cumulative survivals (R, gamma), -1 where no draft is available (never admitted)."""
     gamma = confidences.shape[1]
-    survival = confidences.detach().float().cpu().clamp(0, 1).cumprod(dim=1)
+    survival = confidences.detach().float().clamp(0, 1).cumprod(dim=1)
     if max_lengths is not None:
-        survival = survival.masked_fill(torch.arange(gamma)[None, :] >= max_lengths[:, None].cpu(), -1.0)
+        slots = torch.arange(gamma, device=survival.device)
+        survival = survival.masked_fill(slots[None, :] >= max_lengths.to(survival.device)[:, None], -1.0)
     return survival
 
 
-def ranking(survival: torch.Tensor) -> list[tuple[int, int]]:
-    """All (row, slot) pairs by survival, highest first; ties go to the earlier slot, then the earlier row, so every
-    prefix of the ranking is a prefix of each row's slots (survival never rises along a row)."""
-    values = survival.tolist()
-    pairs = [(r, j) for r, row in enumerate(values) for j in range(len(row))]
-    return sorted(pairs, key=lambda rj: (-values[rj[0]][rj[1]], rj[1], rj[0]))
+def ranking(survival: torch.Tensor) -> torch.LongTensor:
+    """All (row, slot) positions by survival, highest first, as indices j * R + r into the slot-major flattening
+    (r = index % R). Ties go to the earlier slot, then the earlier row (a stable sort of that flattening), so
+    every prefix of the ranking is a prefix of each row's slots (survival never rises along a row)."""
+    return torch.sort(survival.t().reshape(-1), descending=True, stable=True).indices

@@ -1,0 +1,110 @@
+"""The one drafting core of DSpark and DFlash drafters, for R rows at once (R = 1 in the batch-1 loop), and the one
+verification call of both loops.
+
+A round: the backbone's single pass gives every slot's hidden state and base logits; the sequential head then
+walks the gamma slots, each correcting its logits with the token drawn at the slot before, picking a token through
+the user's processors (`sampling`), and producing a confidence c_k. All slots are drafted, then
+`DraftLengthRule` (scheduling) decides on the device how many each row verifies, from c_1..c_k alone: lossless,
+and no slot waits for the host. Nothing here reads a tensor back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.modeling_dspark import DSparkDraftModel
+from .verification import greedy_verify, rejection_sample
+
+
+@dataclass
+class Drafts:
+    """A round's drafts for R rows.
+
+    tokens: (R, G) drafted tokens (slots past a row's length are never verified).
+    probs: (R, G, V) the processed distributions sampled rows drew them from (0 for greedy rows), or None when
+        no row samples.
+    lengths: (R,) slots each row verifies.
+    confidences: (R, G) conditional confidences c_k, or None without a confidence head.
+    length: at batch 1, `lengths[0]` as read on the host (the verification's size depends on it).
+    """
+
+    tokens: torch.LongTensor
+    probs: torch.Tensor | None
+    lengths: torch.LongTensor
+    confidences: torch.Tensor | None = None
+    length: int | None = None
+
+    @classmethod
+    def empty(cls, num_rows: int, device) -> "Drafts":
+        return cls(torch.zeros(num_rows, 0, dtype=torch.long, device=device), None,
+                   torch.zeros(num_rows, dtype=torch.long, device=device))
+
+
+def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTensor, slots: int, sampling,
+                generator: torch.Generator | None = None) -> tuple[torch.LongTensor, torch.Tensor | None,
+                                                                     torch.Tensor | None]:
+    """Draft `slots` tokens for every row after the backbone pass.
+
+    Args:
+        backbone_output: the drafter's output on `[anchor, MASK x (gamma - 1)]` (hidden states and base logits of
+            every slot, (R, gamma, ...)).
+        anchor: (R,) the newest committed token of each row (x_{-1} for the sequential head).
+        slots: how many slots to draft (at most gamma).
+        sampling: a `ProcessorSampling` or `RowSampling` (the processors and the token choice).
+
+    Returns:
+        (tokens (R, slots), probs (R, slots, V) or None, confidences (R, slots) or None).
+    """
+    hidden, base_logits = backbone_output.last_hidden_state, backbone_output.base_logits
+    head = drafter.sequential_head
+    state = head.initial_state(anchor.shape[0], hidden) if head is not None else None
+    tokens, probs, confidences = [], [], []
+    previous = anchor = anchor.to(hidden.device)  # the drafter sits by the target's LM head (`attach_target`)
+    drafted = anchor[:, None][:, :0]
+    for slot in range(slots):
+        logits, confidence, state = drafter.draft_slot(hidden[:, slot], base_logits[:, slot], previous, state, slot)
+        processed = sampling.process(drafter.to_target_vocab(logits.float()), drafted)
+        token, distribution = sampling.choose(processed, generator)
+        tokens.append(token)
+        if distribution is not None:
+            probs.append(distribution)
+        if confidence is not None:
+            confidences.append(confidence)
+        previous = token
+        if slot + 1 < slots and not getattr(sampling, "context_free", True):
+            drafted = torch.stack(tokens, dim=1)  # only processors that read the context need it
+    if not tokens:
+        return anchor[:, None][:, :0], None, None
+    return (torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
+            torch.stack(confidences, dim=1) if confidences else None)
+
+
+def verify_drafts(sampling, target_logits: torch.Tensor, drafts: Drafts, generator: torch.Generator | None = None):
+    """Process the target's logits at the anchor and every draft (R, k + 1, V) exactly once and apply the lossless
+    rule of `verification.py` (greedy rows: `greedy_verify`; sampled rows: `rejection_sample`).
+
+    Returns (number accepted (R,), next token (R,), processed target logits)."""
+    slots = target_logits.shape[1] - 1
+    draft_tokens = drafts.tokens[:, :slots]
+    processed = sampling.process_block(target_logits, draft_tokens)
+    if not sampling.any_sampled:
+        return (*greedy_verify(draft_tokens, processed, drafts.lengths), processed)
+    draft_probs = drafts.probs[:, :slots] if drafts.probs is not None else processed[:, :0].softmax(-1)
+    if sampling.all_sampled:
+        return (*rejection_sample(draft_tokens, draft_probs, processed.softmax(dim=-1), drafts.lengths, generator),
+                processed)
+    num_accepted, next_token = greedy_verify(draft_tokens, processed, drafts.lengths)
+    rows = sampling.sampled_rows
+    accepted, token = rejection_sample(draft_tokens[rows], draft_probs[rows], processed[rows].softmax(dim=-1),
+                                       drafts.lengths[rows], generator)
+    num_accepted[rows], next_token[rows] = accepted, token
+    return num_accepted, next_token, processed
+
+
+def one_hot_probs(tokens: torch.LongTensor, vocab_size: int) -> torch.Tensor:
+    """(R, k) tokens proposed without a model (suffix matches) as point-mass draft distributions (R, k, V):
+    sampling then accepts token x with probability min(1, p(x))."""
+    probs = torch.zeros(*tokens.shape, vocab_size, device=tokens.device)
+    return probs.scatter_(-1, tokens[..., None], 1.0)
