@@ -1,4 +1,5 @@
-"""Tiny randomly initialised targets of three families and drafters for them (float32 for exact identity)."""
+"""Tiny randomly initialised targets of three families and drafters for them (float32 for exact identity), and the
+devices the lossless tests run on."""
 
 import pytest
 import torch
@@ -58,11 +59,27 @@ def tiny_drafter(target, kind: str = "markov", block_size: int = 4, seed: int = 
     return hf_dspark.DSparkDraftModel(config).eval()
 
 
-def prompts(count: int, length: int = 6, vocab_size: int = VOCAB, seed: int = 123):
+def prompts(count: int, length: int = 6, vocab_size: int = VOCAB, seed: int = 123, device="cpu"):
+    """Drawn on the CPU from `seed` (the same prompts on every device), then moved to `device`."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab_size, (1, length + i % 3), generator=generator) for i in range(count)]
+    return [torch.randint(2, vocab_size, (1, length + i % 3), generator=generator).to(device) for i in range(count)]
 
 
 @pytest.fixture(params=["llama", "qwen3", "gemma3"])
 def family(request):
     return request.param
+
+
+NO_CUDA_REASON = "no CUDA device here; the cuda variants run where one is (bash benchmarks/gpu/check.sh)"
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    # Skipped at collection, so a machine without a GPU runs exactly the CPU tests it always ran.
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA_REASON)),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """Where a lossless test's target, drafter and inputs live: the CPU always, and CUDA too when one is present.
+    Tests build their models on the CPU (the same seeded weights everywhere) and move them here."""
+    return torch.device(request.param)

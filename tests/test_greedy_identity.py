@@ -1,13 +1,15 @@
-"""Greedy speculative output must equal plain greedy output token for token (float32)."""
+"""Greedy speculative output must equal plain greedy output token for token (float32), on every device (the
+`device` fixture: the CPU, and CUDA when present)."""
 
 import pytest
 import torch
 
-from hf_dspark.scheduling import ThroughputDraftLength, VerificationCostTable
+from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from hf_dspark.generation.candidates import DraftCandidateGenerator
+from hf_dspark.generation.sampling import ProcessorSampling
 from conftest import prompts, tiny_drafter, tiny_target
 
 DRAFTER_KINDS = ["markov", "gated", "rnn", "dflash", "eagle3"]
@@ -18,10 +20,10 @@ def plain_greedy(target, ids, **kwargs):
 
 
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
-def test_random_drafter_matches_plain_greedy(family, kind):
-    target = tiny_target(family)
-    drafter = tiny_drafter(target, kind)
-    for ids in prompts(4):
+def test_random_drafter_matches_plain_greedy(family, kind, device):
+    target = tiny_target(family).to(device)
+    drafter = tiny_drafter(target, kind).to(device)
+    for ids in prompts(4, device=device):
         expected = plain_greedy(target, ids, max_new_tokens=20)
         actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=20)
         assert torch.equal(actual, expected)
@@ -31,34 +33,34 @@ def test_random_drafter_matches_plain_greedy(family, kind):
 
 def use_oracle(monkeypatch, reference: torch.Tensor, correct_slots: int | None):
     """Make every drafter propose the target's own greedy continuation (taken from ``reference``), corrupted
-    from slot ``correct_slots`` on. The real drafter still runs; only the token choice is replaced."""
+    from slot ``correct_slots`` on. The real drafter still runs; only the (greedy) token choice is replaced."""
 
-    def choose(self, logits, context_ids):
-        position = context_ids.shape[1]
-        slot = position - self._oracle_anchor - 1
+    def choose(self, processed, generator=None):
+        position = self.oracle_position  # the sequence position this draft slot predicts
+        self.oracle_position += 1
+        slot = position - self.oracle_anchor - 1
         token = int(reference[0, position]) if position < reference.shape[1] else 0
         if correct_slots is not None and slot >= correct_slots:
-            token = (token + 1) % logits.shape[-1]
-        processed = torch.full_like(logits, -1e4)
-        processed[:, token] = 0.0
-        return torch.tensor([[token]]), processed
+            token = (token + 1) % processed.shape[-1]
+        return torch.tensor([token], device=processed.device), None
 
-    original = DraftCandidateGenerator.get_candidates
+    original = DraftCandidateGenerator.propose
 
-    def get_candidates(self, input_ids, **kwargs):
-        self._oracle_anchor = input_ids.shape[1] - 1
-        return original(self, input_ids, **kwargs)
+    def propose(self, input_ids, model_outputs):
+        self.sampling.oracle_anchor = input_ids.shape[1] - 1
+        self.sampling.oracle_position = input_ids.shape[1]
+        return original(self, input_ids, model_outputs)
 
-    monkeypatch.setattr(DraftCandidateGenerator, "_choose", choose)
-    monkeypatch.setattr(DraftCandidateGenerator, "get_candidates", get_candidates)
+    monkeypatch.setattr(ProcessorSampling, "choose", choose)
+    monkeypatch.setattr(DraftCandidateGenerator, "propose", propose)
 
 
 @pytest.mark.parametrize("kind", ["markov", "eagle3"])
 @pytest.mark.parametrize("correct_slots,expected_accepts", [(None, 4), (2, 2), (0, 0)])
-def test_full_partial_and_zero_acceptance(monkeypatch, family, kind, correct_slots, expected_accepts):
-    target = tiny_target(family)
-    drafter = tiny_drafter(target, kind, block_size=4)
-    ids = prompts(1)[0]
+def test_full_partial_and_zero_acceptance(monkeypatch, family, kind, correct_slots, expected_accepts, device):
+    target = tiny_target(family).to(device)
+    drafter = tiny_drafter(target, kind, block_size=4).to(device)
+    ids = prompts(1, device=device)[0]
     reference = plain_greedy(target, ids, max_new_tokens=40)
     use_oracle(monkeypatch, reference, correct_slots)
     actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=21)
@@ -70,10 +72,10 @@ def test_full_partial_and_zero_acceptance(monkeypatch, family, kind, correct_slo
 
 
 @pytest.mark.parametrize("kind", ["rnn", "eagle3"])
-def test_eos_and_max_length_inside_a_block(monkeypatch, kind):
-    target = tiny_target("llama")
-    drafter = tiny_drafter(target, kind, block_size=6)
-    ids = prompts(1)[0]
+def test_eos_and_max_length_inside_a_block(monkeypatch, kind, device):
+    target = tiny_target("llama").to(device)
+    drafter = tiny_drafter(target, kind, block_size=6).to(device)
+    ids = prompts(1, device=device)[0]
     reference = plain_greedy(target, ids, max_new_tokens=40)
     use_oracle(monkeypatch, reference, correct_slots=None)  # full acceptance: blocks run past EOS / the limit
     new_tokens = reference[0, ids.shape[1] :].tolist()
@@ -108,10 +110,10 @@ class CollectingStreamer(BaseStreamer):
         self.ended = True
 
 
-def test_stopping_criteria_streamer_and_processors(family):
-    target = tiny_target(family)
-    drafter = tiny_drafter(target, "markov")
-    ids = prompts(1)[0]
+def test_stopping_criteria_streamer_and_processors(family, device):
+    target = tiny_target(family).to(device)
+    drafter = tiny_drafter(target, "markov").to(device)
+    ids = prompts(1, device=device)[0]
     reference = plain_greedy(target, ids, max_new_tokens=30)
     stop_token = int(reference[0, ids.shape[1] + 6])
     criteria = StoppingCriteriaList([StopAfterToken(stop_token)])
@@ -132,10 +134,10 @@ def test_stopping_criteria_streamer_and_processors(family):
     assert sum(streamer.chunks[1:], []) == actual[0, ids.shape[1] :].tolist()
 
 
-def test_return_dict_scores_logits_and_stats(family):
-    target = tiny_target(family)
-    drafter = tiny_drafter(target, "gated")
-    ids = prompts(1)[0]
+def test_return_dict_scores_logits_and_stats(family, device):
+    target = tiny_target(family).to(device)
+    drafter = tiny_drafter(target, "gated").to(device)
+    ids = prompts(1, device=device)[0]
     kwargs = dict(do_sample=False, max_new_tokens=12, return_dict_in_generate=True, output_scores=True, output_logits=True)
     expected = target.generate(ids, **kwargs)
     actual = target.generate(ids, assistant_model=drafter, **kwargs)
@@ -154,15 +156,15 @@ STOP_RULES = [("threshold", 0.3), ("threshold", 0.5), ("threshold", 1.01),
 
 
 @pytest.mark.parametrize("rule,value", STOP_RULES)
-def test_confidence_stop_rules_end_blocks_early_and_stay_exact(rule, value):
+def test_confidence_stop_rules_end_blocks_early_and_stay_exact(rule, value, device):
     """A static survival threshold, or the throughput schedule over a cost table, shortens drafts losslessly."""
-    target = tiny_target("qwen3")
-    drafter = tiny_drafter(target, "markov", block_size=6)
+    target = tiny_target("qwen3").to(device)
+    drafter = tiny_drafter(target, "markov", block_size=6).to(device)
     if rule == "threshold":
         drafter.confidence_threshold = value
     else:
         drafter.verification_costs = VerificationCostTable(value)
-    for ids in prompts(3):
+    for ids in prompts(3, device=device):
         expected = plain_greedy(target, ids, max_new_tokens=16)
         actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16)
         assert torch.equal(actual, expected)
@@ -172,71 +174,72 @@ def test_confidence_stop_rules_end_blocks_early_and_stay_exact(rule, value):
             survival = torch.tensor(confidences).cumprod(0)
             if rule == "threshold":
                 assert (survival >= value).all()
-            else:  # replaying the rule on the recorded confidences admits every verified slot
-                replay = ThroughputDraftLength(drafter.verification_costs)
-                assert all(replay.admit(float(s)) for s in survival)
+            else:  # every verified slot raised the expected throughput E(k) / cost(k + 1)
+                costs = drafter.verification_costs
+                rates = [(1 + float(survival[:k].sum())) / costs.padded_round_seconds(k + 1)
+                         for k in range(length + 1)]
+                assert all(later > earlier for earlier, later in zip(rates, rates[1:]))
         if rule == "threshold" and value > 1:
             assert set(stats.draft_lengths) == {0}
 
 
 def test_throughput_draft_length_admits_until_the_first_drop():
-    schedule = ThroughputDraftLength(VerificationCostTable([1.0, 1.2, 1.4, 1.6, 1.8]))
-    # T(0) = 1/1; T(1) = 1.9/1.2; T(2) = 2.35/1.4; T(3) = 2.44/1.6 < T(2): stop after two slots.
-    assert [schedule.admit(s) for s in (0.9, 0.45, 0.09)] == [True, True, False]
-    assert schedule.length == 2 and schedule.expected == pytest.approx(2.35)
-    flat = ThroughputDraftLength(VerificationCostTable([1.0] * 8))  # a GPU-like table: every slot is worth it
-    assert all(flat.admit(s) for s in (0.5, 0.1, 0.01))
+    scheduler = DSparkScheduler(VerificationCostTable([1.0, 1.2, 1.4, 1.6, 1.8]))
+    # Survivals 0.9, 0.45, 0.09. T(0) = 1/1; T(1) = 1.9/1.2; T(2) = 2.35/1.4; T(3) = 2.44/1.6 < T(2): two slots.
+    assert scheduler.select_lengths(torch.tensor([[0.9, 0.5, 0.2]])).tolist() == [2]
+    flat = DSparkScheduler(VerificationCostTable([1.0] * 8))  # a GPU-like table: every slot is worth it
+    assert flat.select_lengths(torch.tensor([[0.5, 0.2, 0.1]])).tolist() == [3]
 
 
-def test_plain_and_stock_assisted_generate_untouched():
-    target = tiny_target("llama")
-    ids = prompts(1)[0]
+def test_plain_and_stock_assisted_generate_untouched(device):
+    target = tiny_target("llama").to(device)
+    ids = prompts(1, device=device)[0]
     plain = plain_greedy(target, ids, max_new_tokens=10)
-    stock_assistant = tiny_target("llama", seed=5)
+    stock_assistant = tiny_target("llama", seed=5).to(device)
     assisted = target.generate(ids, assistant_model=stock_assistant, do_sample=False, max_new_tokens=10)
     lookup = target.generate(ids, prompt_lookup_num_tokens=3, do_sample=False, max_new_tokens=10)
     assert torch.equal(assisted, plain) and torch.equal(lookup, plain)
 
 
 @pytest.mark.parametrize("kind", ["markov", "eagle3"])
-def test_draft_vocabulary_only_proposes_its_tokens_and_stays_exact(kind):
-    target = tiny_target("llama")
-    drafter = tiny_drafter(target, kind, draft_vocab_size=24)
+def test_draft_vocabulary_only_proposes_its_tokens_and_stays_exact(kind, device):
+    target = tiny_target("llama").to(device)
+    drafter = tiny_drafter(target, kind, draft_vocab_size=24).to(device)
     allowed = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(3))[:24]
     drafter.set_draft_vocab(allowed)
     proposed = []
-    original = DraftCandidateGenerator._choose
+    original = ProcessorSampling.choose
 
-    def spy(self, logits, context_ids):
-        token, processed = original(self, logits, context_ids)
+    def spy(self, processed, generator=None):
+        token, distribution = original(self, processed, generator)
         proposed.append(int(token))
         assert torch.isinf(processed[0, [t for t in range(target.config.vocab_size) if t not in allowed]]).all()
-        return token, processed
+        return token, distribution
 
-    DraftCandidateGenerator._choose = spy
+    ProcessorSampling.choose = spy
     try:
-        for ids in prompts(3):
+        for ids in prompts(3, device=device):
             expected = plain_greedy(target, ids, max_new_tokens=16)
             actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16)
             assert torch.equal(actual, expected)
             sampled = target.generate(ids, assistant_model=drafter, do_sample=True, max_new_tokens=16)
             assert sampled.shape[1] == ids.shape[1] + 16
     finally:
-        DraftCandidateGenerator._choose = original
+        ProcessorSampling.choose = original
     assert proposed and set(proposed) <= set(allowed.tolist())
 
 
-def test_verification_padded_to_a_cheaper_size_stays_exact():
+def test_verification_padded_to_a_cheaper_size_stays_exact(device):
     table = VerificationCostTable([1.0, 3.0, 3.0, 3.0, 1.2, 5.0, 5.0, 5.0])
     assert [table.padded_tokens(n) for n in (1, 2, 4, 5, 6, 9)] == [1, 5, 5, 5, 6, 9]
-    target = tiny_target("llama")
-    drafter = tiny_drafter(target, "markov", block_size=6)
+    target = tiny_target("llama").to(device)
+    drafter = tiny_drafter(target, "markov", block_size=6).to(device)
     drafter.verification_costs = table
     sizes = []
     hook = target.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]),
                                             with_kwargs=True)
     try:
-        for ids in prompts(3):
+        for ids in prompts(3, device=device):
             expected = plain_greedy(target, ids, max_new_tokens=16)
             sizes.clear()
             actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16)

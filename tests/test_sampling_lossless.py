@@ -1,7 +1,8 @@
 """Sampled speculative output must follow the target distribution exactly.
 
 Each test also computes how a biased sampler would score against the same bound, so a test that passes
-proves the bound is tight enough to catch real bias.
+proves the bound is tight enough to catch real bias. The verifier and end-to-end tests run on every device (the
+`device` fixture: the CPU, and CUDA when present).
 """
 
 import itertools
@@ -46,7 +47,7 @@ def expected_statistic(biased: torch.Tensor, probs: torch.Tensor, samples: int) 
 
 
 @pytest.mark.parametrize("draft_length", [1, 3])
-def test_rejection_sampling_emits_target_distribution(draft_length):
+def test_rejection_sampling_emits_target_distribution(draft_length, device):
     torch.manual_seed(0)
     vocab, rows = 5, 40000
     p = torch.softmax(torch.randn(draft_length + 1, vocab) * 1.5, dim=-1)
@@ -54,8 +55,9 @@ def test_rejection_sampling_emits_target_distribution(draft_length):
     q[0, 0] = 0.0  # a token the draft never proposes must still be produced at the target's rate
     q = q / q.sum(-1, keepdim=True)
     drafts = torch.stack([torch.multinomial(q[i], rows, replacement=True) for i in range(draft_length)], dim=1)
+    p, q, drafts = p.to(device), q.to(device), drafts.to(device)  # drawn on the CPU: the same inputs everywhere
     num_accepted, next_token = rejection_sample(
-        drafts, q.expand(rows, -1, -1), p.expand(rows, -1, -1), generator=torch.Generator().manual_seed(1)
+        drafts, q.expand(rows, -1, -1), p.expand(rows, -1, -1), generator=torch.Generator(device=device).manual_seed(1)
     )
     first = torch.where(num_accepted > 0, drafts[:, 0], next_token)
     counts = torch.bincount(first, minlength=vocab).float()
@@ -97,15 +99,15 @@ def exact_three_token_distribution(target, ids, temperature, top_p):
         with torch.no_grad():
             return warpers(prefix, target(prefix).logits[:, -1]).softmax(-1)[0]
 
-    joint = torch.zeros(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB)
+    joint = torch.zeros(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB, device=ids.device)
     p1 = next_probs(ids)
     for x1 in range(TINY_VOCAB):
-        prefix1 = torch.cat([ids, torch.tensor([[x1]])], dim=-1)
+        prefix1 = torch.cat([ids, ids.new_tensor([[x1]])], dim=-1)
         p2 = next_probs(prefix1)
         for x2 in range(TINY_VOCAB):
             if p1[x1] * p2[x2] > 0:
-                joint[x1, x2] = p1[x1] * p2[x2] * next_probs(torch.cat([prefix1, torch.tensor([[x2]])], dim=-1))
-    return joint
+                joint[x1, x2] = p1[x1] * p2[x2] * next_probs(torch.cat([prefix1, ids.new_tensor([[x2]])], dim=-1))
+    return joint.cpu()  # compared with sample counts kept on the CPU
 
 
 def assert_matches(counts: torch.Tensor, probs: torch.Tensor, biased: torch.Tensor, samples: int):
@@ -116,9 +118,10 @@ def assert_matches(counts: torch.Tensor, probs: torch.Tensor, biased: torch.Tens
 
 
 @pytest.mark.parametrize("kind", ["markov", "eagle3", "markov-scheduled", "markov-suffix", "eagle3-suffix"])
-def test_generate_sampling_matches_target_distribution(kind):
-    target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None, bos_token_id=None)
-    drafter = tiny_drafter(target, kind.split("-")[0], block_size=3)
+def test_generate_sampling_matches_target_distribution(kind, device):
+    target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None,
+                         bos_token_id=None).to(device)
+    drafter = tiny_drafter(target, kind.split("-")[0], block_size=3).to(device)
     if kind.endswith("scheduled"):
         # The first slot is drafted only when its predicted survival is at least 0.515, a choice that differs
         # between anchors: the length varies with c_1 and must not bias what is emitted.
@@ -129,7 +132,7 @@ def test_generate_sampling_matches_target_distribution(kind):
     drafter.suffix_drafting = kind.endswith("suffix")
     if drafter.suffix_drafting:
         drafter.verification_costs = VerificationCostTable([1.0, 1.0], draft_seconds=5.0)
-    ids = torch.tensor([[1, 4, 2, 5]])
+    ids = torch.tensor([[1, 4, 2, 5]], device=device)
     temperature, top_p = 0.7, 0.9
     joint = exact_three_token_distribution(target, ids, temperature, top_p)
     # Temperature applied twice (0.49), the classic assisted-decoding bug.
