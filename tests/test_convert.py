@@ -498,9 +498,9 @@ def _record_rounds(monkeypatch, drafter):
 
     def draft_one(self, input_ids, features, budget):
         rounds.append({"confidences": [], "budget": [budget]})
-        tokens, logits = single(self, input_ids, features, budget)
-        rounds[-1]["lengths"] = [tokens.shape[1]]
-        return tokens, logits
+        drafts = single(self, input_ids, features, budget)
+        rounds[-1]["lengths"] = [drafts.length]
+        return drafts
 
     def draft_batch(drafter_, rows, budget, *args):
         rounds.append({"confidences": [], "budget": budget.tolist()})

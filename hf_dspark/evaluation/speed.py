@@ -69,7 +69,7 @@ def run_speed_benchmark(target, tokenizer, drafters: dict, prompts: list[tuple[s
     sampling = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature,
                                                                 "top_p": 1.0, "top_k": 0}
     for index, (benchmark, prompt) in enumerate(prompts):
-        input_ids = chat_input_ids(tokenizer, [{"role": "user", "content": prompt}])
+        input_ids = chat_input_ids(tokenizer, [{"role": "user", "content": prompt}]).to(target.device)
         outputs = {}
         for method in methods:
             kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, **sampling)

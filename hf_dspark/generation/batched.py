@@ -1,10 +1,8 @@
 """Batched speculative decoding: R requests drafted and verified together by a DSpark or DFlash drafter.
 
-Rows accept different numbers of drafts each round, so their sequences drift apart. Instead of cropping each row's
-cache separately, both caches keep **holes**: every round appends the same number of entries to every row (its
-newest token and drafts, padded to the longest row), and a per-row validity mask marks which entries are real.
-Rejected drafts and padding stay in the caches, masked out of every later attention. Positions are explicit per
-row (a row's next position is the number of its valid entries), so a hole never shifts a row's rotary phase.
+The rows' state (both caches with holes, explicit positions) is `batch_state.BatchRows`; the token choice per row
+is `sampling.RowSampling`; drafting is the one core of every batch size (`drafting.draft_block`) and the draft
+length the one rule (`DraftLengthRule`), as in the batch-1 loop.
 
 * Target: one `DynamicCache` of width W for all rows and a (R, W) validity mask, passed as the 2D attention mask
   (transformers builds the causal 4D mask from it; the causal order is the cache order, which is each row's order).
@@ -13,12 +11,19 @@ row (a row's next position is the number of its valid entries), so a hole never 
   the backbone on `[anchor, MASK x (gamma-1)]` with a boolean mask allowing valid context and the whole block, and
   the sequential head slot by slot, vectorised over rows.
 
+A round reads the device twice, whatever R: the verified lengths (with their confidences, for the statistics),
+which fix the verification forward's width, and the accepted counts with the emitted tokens, from which each
+request's EOS and length limit are found on the host (every row at once) and its output is extended. A round in
+which requests finish reads once more (which cache columns are still used), and a `DSparkScheduler` in
+`"two_steps_ago"` mode once more to decide whether the round drafts at all: four at most.
+
 A finished request (EOS or its `max_new_tokens`) is removed from every tensor and cache, so rounds only pay for the
-requests still running, and cache columns that no remaining row uses are dropped. Holes also make **continuous
-batching** cheap (`SpeculativeEngine`): a request that arrives while others run is prefilled alone (with the
-other newcomers), its prompt context projected into its own drafter cache, and its rows are appended to the
-running batch, each cache padded with holes to the wider of the two. Every request has its own sampling settings, EOS and length limit; rows with equal settings share one warper
-pass. The verification rule is `greedy_verify` / `rejection_sample`, the same as at batch size 1.
+requests still running. Holes also make **continuous batching** cheap (`SpeculativeEngine`): a request that
+arrives while others run is prefilled alone (with the other newcomers), its prompt context projected into its own
+drafter cache, and its rows are appended to the running batch, each cache padded with holes to the wider of the
+two; cache columns that no remaining row uses are dropped then. Every request has its own sampling settings, EOS
+and length limit; rows with equal settings share one warper pass. The verification rule is `greedy_verify` /
+`rejection_sample`, the same as at batch size 1.
 """
 
 from __future__ import annotations
@@ -27,22 +32,20 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
-from transformers import (
-    DynamicCache,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..models.common import BLOCK_DRAFTER_TYPE, DraftContextCache, drafter_type
 from ..models.modeling_dspark import DSparkDraftModel
-from ..scheduling.scheduler import DSparkScheduler
+from ..scheduling.draft_length import DraftLengthRule, resolve_verification_policy
+from .batch_state import BatchRows, to_device
+from .drafting import Drafts, draft_block, verify_drafts
+from .sampling import RowSampling, SamplingParams
 from .stats import SpeculativeStats
-from .verification import greedy_verify, rejection_sample
 
-POLICIES = ("all", "fixed", "threshold", "scheduler")
+# Re-exported: the batch-1 loop and users import them from here.
+__all__ = ["BatchedOutput", "SamplingParams", "SpeculativeEngine", "batched_speculative_generate",
+           "check_left_padded", "resolve_verification_policy"]
 _HOLE_SAFE_ATTENTION = ("sdpa", "eager")
 
 
@@ -61,57 +64,9 @@ class BatchedOutput:
     verified_tokens_per_round: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request picks its tokens: greedy, or sampling through transformers' own warpers in `generate`'s
-    order (temperature, top-k, top-p). Hashable, so rows with equal settings are warped together."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self):
-        if self.do_sample and not self.temperature > 0:
-            raise ValueError(f"temperature must be positive when sampling, got {self.temperature}.")
-        check_top_p(self.top_p)
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k must be a non-negative int (0 disables it), got {self.top_k!r}.")
-
-    def warpers(self) -> LogitsProcessorList:
-        """Empty when greedy: argmax is unchanged by them."""
-        warpers = LogitsProcessorList()
-        if not self.do_sample:
-            return warpers
-        if self.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(self.temperature))
-        if self.top_k:
-            warpers.append(TopKLogitsWarper(self.top_k))
-        if self.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(self.top_p))
-        return warpers
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Checks and settings
 # ------------------------------------------------------------------------------------------------------------------
-
-
-def check_top_p(top_p: float) -> None:
-    """One rule for top_p at every batch size (stock `generate` reads top_p=0 as top-1 at batch 1 only)."""
-    if not 0 < top_p <= 1:
-        raise ValueError(
-            f"top_p must be in (0, 1] (1 = off), got {top_p}; for the single most likely token use greedy "
-            "decoding (do_sample=False) or top_k=1."
-        )
-
-
-def check_sampling_processors(logits_processor) -> None:
-    """What `generate` built from its options, held to the rules the batched engine applies (`check_top_p`), so
-    one prompt and a batch accept and refuse the same settings."""
-    for processor in logits_processor or ():
-        if isinstance(processor, TopPLogitsWarper):
-            check_top_p(float(processor.top_p))
 
 
 def _check_engine(target, drafter, policy, policy_arg) -> None:
@@ -130,16 +85,7 @@ def _check_engine(target, drafter, policy, policy_arg) -> None:
             f"Load it with attn_implementation='sdpa'."
         )
     _new_target_cache(target)  # refuses sliding-window targets before any work
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
-    if policy == "fixed" and not (isinstance(policy_arg, int) and policy_arg >= 0):
-        raise ValueError(f"policy 'fixed' takes the number of slots to verify (an int >= 0), got {policy_arg!r}.")
-    if policy == "threshold" and not (isinstance(policy_arg, (int, float)) and policy_arg >= 0):
-        raise ValueError(
-            f"policy 'threshold' takes a survival threshold >= 0 (above 1 verifies no drafts), got {policy_arg!r}."
-        )
-    if policy == "scheduler" and not hasattr(policy_arg, "select_lengths"):
-        raise ValueError("policy 'scheduler' takes a hf_dspark.scheduling.DSparkScheduler as policy_arg.")
+    DraftLengthRule(policy, policy_arg)  # refuses a malformed policy
     if policy in ("threshold", "scheduler") and drafter.confidence_proj is None:
         raise ValueError(
             f"policy {policy!r} needs the drafter's confidence head; this drafter has none (DFlash). "
@@ -157,35 +103,6 @@ def check_left_padded(input_ids, attention_mask) -> None:
             "Prompts must be left-padded (attention_mask 0s then 1s, ending in a real token); tokenize with "
             "padding_side='left'."
         )
-
-
-def resolve_verification_policy(drafter) -> tuple[str, object]:
-    """The batched engine's `(policy, policy_arg)` for `drafter`, read from `drafter.verification_policy`.
-
-    `None` (the default) derives it from the attributes the batch-1 path uses, so one drafter behaves alike at
-    every batch size: a `DSparkScheduler(drafter.verification_costs)` when a cost table is set and the drafter has
-    a confidence head, else `("threshold", drafter.confidence_threshold)` when a threshold is set (confidence head
-    again), else `"all"`. Otherwise it may be a policy name (`"all"`), a `(policy, policy_arg)` pair such as
-    `("fixed", 2)` or `("threshold", 0.4)`, or a scheduler object (anything with `select_lengths`).
-    """
-    policy = getattr(drafter, "verification_policy", None)
-    if policy is None:
-        has_confidence = getattr(drafter, "confidence_proj", None) is not None
-        if has_confidence and getattr(drafter, "verification_costs", None) is not None:
-            return "scheduler", DSparkScheduler(drafter.verification_costs)
-        if has_confidence and getattr(drafter, "confidence_threshold", None) is not None:
-            return "threshold", drafter.confidence_threshold
-        return "all", None
-    if isinstance(policy, str):
-        return policy, None
-    if hasattr(policy, "select_lengths"):
-        return "scheduler", policy
-    if isinstance(policy, (tuple, list)) and len(policy) == 2:
-        return policy[0], policy[1]
-    raise ValueError(
-        f"drafter.verification_policy must be None, a policy name, a (policy, policy_arg) pair or a scheduler; "
-        f"got {policy!r}."
-    )
 
 
 def _new_target_cache(target) -> DynamicCache:
@@ -211,79 +128,12 @@ def _eos_ids(target, eos_token_id) -> set[int]:
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
 
 
-def _warp(warpers: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:
-    """Apply the warpers to (..., V) float logits. They ignore the token context, so rows and slots are flattened."""
-    if len(warpers) == 0:
-        return logits
-    flat = logits.reshape(-1, logits.shape[-1])
-    return warpers(flat.new_zeros(flat.shape[0], 0, dtype=torch.long), flat).reshape(logits.shape)
-
-
-class _RowSampling:
-    """The sampling settings of the current rows, grouped so that rows with equal settings share one warper pass.
-    Greedy rows take the argmax and `greedy_verify`; sampled rows draw and go through `rejection_sample`."""
-
-    def __init__(self, settings: list[SamplingParams], device: torch.device):
-        by_setting: dict[SamplingParams, list[int]] = {}
-        for row, setting in enumerate(settings):
-            by_setting.setdefault(setting, []).append(row)
-        whole = len(by_setting) == 1
-        self.groups = [(setting.warpers(), None if whole else torch.tensor(rows, device=device))
-                       for setting, rows in by_setting.items()]
-        self.sampled = torch.tensor([s.do_sample for s in settings], dtype=torch.bool, device=device)
-        self.all_sampled = bool(self.sampled.all())
-        self.any_sampled = bool(self.sampled.any())
-        self._sampled_rows = self.sampled.nonzero().squeeze(1)
-
-    def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """(R, ..., V) logits, each row through its own warpers (applied exactly once)."""
-        if len(self.groups) == 1:
-            return _warp(self.groups[0][0], logits)
-        out = logits.clone()
-        for warpers, rows in self.groups:
-            out[rows] = _warp(warpers, logits[rows])
-        return out
-
-    def choose(self, processed: torch.Tensor, generator) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        """(R, V) processed logits -> (token per row, the distribution sampled rows drew from (0 for greedy rows),
-        or None when no row samples)."""
-        if self.all_sampled:
-            distribution = processed.softmax(dim=-1)
-            return torch.multinomial(distribution, 1, generator=generator).squeeze(1), distribution
-        token = processed.argmax(dim=-1)
-        if not self.any_sampled:
-            return token, None
-        rows = self._sampled_rows
-        sampled = processed[rows].softmax(dim=-1)
-        token[rows] = torch.multinomial(sampled, 1, generator=generator).squeeze(1)
-        distribution = torch.zeros_like(processed)
-        distribution[rows] = sampled
-        return token, distribution
-
-    def verify(self, target_logits: torch.Tensor, drafts: "_Drafts", generator):
-        """Warp the target's logits and run the shared acceptance rule -> (number accepted (R,), next token (R,))."""
-        processed = self.warp(target_logits)
-        slots = processed.shape[1] - 1
-        draft_tokens = drafts.tokens[:, :slots]
-        if not self.any_sampled:
-            return greedy_verify(draft_tokens, processed, drafts.lengths)
-        draft_probs = drafts.probs[:, :slots] if drafts.probs is not None else processed[:, :0].softmax(-1)
-        if self.all_sampled:
-            return rejection_sample(draft_tokens, draft_probs, processed.softmax(dim=-1), drafts.lengths, generator)
-        num_accepted, next_token = greedy_verify(draft_tokens, processed, drafts.lengths)
-        rows = self._sampled_rows
-        accepted, token = rejection_sample(draft_tokens[rows], draft_probs[rows], processed[rows].softmax(dim=-1),
-                                           drafts.lengths[rows], generator)
-        num_accepted[rows], next_token[rows] = accepted, token
-        return num_accepted, next_token
-
-
 @dataclass
 class _EngineSnapshot:
     """`SpeculativeEngine` state before a step (see `SpeculativeEngine._snapshot`)."""
 
     waiting: list[int]
-    rows: "_Rows | None"
+    rows: "BatchRows | None"
     row_fields: dict
     target_layers: list[dict]
     draft_layers: tuple[list, list]
@@ -304,160 +154,27 @@ class _Request:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# State of the running requests
-# ------------------------------------------------------------------------------------------------------------------
-
-
-def _pad_to(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Pad `tensor` with zeros (False) at the end of `dim` up to `width` entries: holes."""
-    missing = width - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
-
-
-def _cat_rows(first: torch.Tensor, second: torch.Tensor, dim: int) -> torch.Tensor:
-    """Stack two row blocks along dim 0, padding the narrower one with holes along `dim`."""
-    width = max(first.shape[dim], second.shape[dim])
-    return torch.cat([_pad_to(first, width, dim), _pad_to(second, width, dim)], dim=0)
-
-
-def _used_columns(valid: torch.BoolTensor) -> torch.LongTensor | None:
-    """Indices of the columns some row uses, or None when every column is used."""
-    used = valid.any(dim=0)
-    return None if bool(used.all()) else used.nonzero().squeeze(1)
-
-
-def _layer(tensors: list, index: int):
-    return tensors[index] if index < len(tensors) else None
-
-
-def _merge_draft_layer(blocks: list, counts: tuple[int, int]) -> torch.Tensor | None:
-    """One drafter-cache layer of two row blocks. A block that has not drafted yet (just prefilled) has no context
-    rows there: it joins with zero columns, so every column is a hole for it."""
-    reference = next((b for b in blocks if b is not None), None)
-    if reference is None:
-        return None
-    empty = [reference.new_zeros(count, reference.shape[1], 0, reference.shape[3]) for count in counts]
-    first, second = (b if b is not None else e for b, e in zip(blocks, empty))
-    return _cat_rows(first, second, dim=2)
-
-
-@dataclass
-class _Rows:
-    """Everything indexed by active row; `select` keeps a subset of rows, `merge` appends another block of rows."""
-
-    request: torch.LongTensor  # (R,) id of the request each row serves
-    anchor: torch.LongTensor  # (R,) newest emitted token: not yet in the target cache
-    emitted: torch.LongTensor  # (R,) new tokens emitted so far
-    limit: torch.LongTensor  # (R,) the request's max_new_tokens
-    target_cache: DynamicCache
-    target_valid: torch.BoolTensor  # (R, W) real entries of the target cache
-    target_length: torch.LongTensor  # (R,) valid entries = position of the anchor
-    draft_cache: DraftContextCache
-    draft_valid: torch.BoolTensor  # (R, C) real rows of the drafter's context cache
-    pending: torch.Tensor  # (R, M, F) target features not yet given to the drafter
-    pending_valid: torch.BoolTensor  # (R, M)
-    pending_positions: torch.LongTensor  # (R, M)
-
-    _PER_ROW = ("request", "anchor", "emitted", "limit", "target_valid", "target_length", "draft_valid", "pending",
-                "pending_valid", "pending_positions")
-
-    def __len__(self) -> int:
-        return self.request.shape[0]
-
-    def select(self, keep: torch.LongTensor) -> None:
-        for name in self._PER_ROW:
-            setattr(self, name, getattr(self, name).index_select(0, keep))
-        self.target_cache.batch_select_indices(keep)
-        cache = self.draft_cache
-        cache.keys = [None if k is None else k.index_select(0, keep) for k in cache.keys]
-        cache.values = [None if v is None else v.index_select(0, keep) for v in cache.values]
-        self._drop_unused_columns()
-
-    def _drop_unused_columns(self) -> None:
-        """Remove cache and queued-context columns that are holes in every remaining row (e.g. a retired long
-        prompt), so a continuously fed batch does not keep the widths of requests long gone."""
-        columns = _used_columns(self.target_valid)
-        if columns is not None:
-            self.target_valid = self.target_valid[:, columns]
-            for layer in self.target_cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
-        columns = _used_columns(self.draft_valid)
-        if columns is not None:
-            self.draft_valid = self.draft_valid[:, columns]
-            cache = self.draft_cache
-            cache.keys = [None if k is None else k[:, :, columns] for k in cache.keys]
-            cache.values = [None if v is None else v[:, :, columns] for v in cache.values]
-        columns = _used_columns(self.pending_valid)
-        if columns is not None:
-            self.pending, self.pending_valid = self.pending[:, columns], self.pending_valid[:, columns]
-            self.pending_positions = self.pending_positions[:, columns]
-
-    def merge(self, other: "_Rows") -> None:
-        """Append `other`'s rows. Each column family (target cache, drafter cache, queued context) is padded with
-        holes at the end to the wider of the two blocks; a row's entries keep their order, which is all the causal
-        masks and the explicit positions need."""
-        counts = (len(self), len(other))
-        for name in ("request", "anchor", "emitted", "limit", "target_length"):
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        for name in ("target_valid", "draft_valid", "pending_valid", "pending_positions", "pending"):
-            setattr(self, name, _cat_rows(getattr(self, name), getattr(other, name), dim=1))
-        for mine, theirs in zip(self.target_cache.layers, other.target_cache.layers):
-            mine.keys = _cat_rows(mine.keys, theirs.keys, dim=2)
-            mine.values = _cat_rows(mine.values, theirs.values, dim=2)
-        caches = (self.draft_cache, other.draft_cache)
-        layers = max(len(cache.keys) for cache in caches)
-        self.draft_cache.keys = [_merge_draft_layer([_layer(c.keys, i) for c in caches], counts) for i in range(layers)]
-        self.draft_cache.values = [_merge_draft_layer([_layer(c.values, i) for c in caches], counts)
-                                   for i in range(layers)]
-
-    def stage_context(self, features: torch.Tensor, valid: torch.BoolTensor, positions: torch.LongTensor) -> None:
-        """Queue the target features of the entries that just became valid for the next backbone pass. Columns that
-        no row uses are dropped from the end; the others are zeroed where invalid, so no stray value at a padded
-        position (masked, but multiplied by a zero attention weight) can turn into NaN inside attention."""
-        used = valid.any(dim=0).nonzero()
-        width = int(used[-1]) + 1 if used.numel() else 0
-        valid = valid[:, :width]
-        self.pending = torch.where(valid[..., None], features[:, :width], 0.0)
-        self.pending_valid = valid
-        self.pending_positions = positions[:, :width]
-
-
-# ------------------------------------------------------------------------------------------------------------------
 # Target and drafter passes
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _target_forward(target, rows: _Rows, tokens, new_valid, positions, layer_indices, keep: int):
+def _target_forward(target, rows: BatchRows, tokens, new_valid, positions, layer_indices, keep: int,
+                    feature_device=None):
     """Append `tokens` (R, N) to the shared cache; returns (float logits of the last `keep` entries, features)."""
     mask = torch.cat([rows.target_valid, new_valid], dim=1)
     kwargs = {"logits_to_keep": keep} if target._supports_logits_to_keep() else {}
     out = target(input_ids=tokens, attention_mask=mask.long(), position_ids=positions, cache=rows.target_cache,
                  use_cache=True, output_hidden_states=layer_indices, **kwargs)
-    features = torch.cat([out.hidden_states[i] for i in layer_indices], dim=-1)
+    # With a device_map the layers' states live on their layers' devices; the drafter sits by the LM head.
+    features = torch.cat([out.hidden_states[i].to(feature_device) for i in layer_indices], dim=-1)
     return out.logits[:, -keep:].float(), features
 
 
-@dataclass
-class _Drafts:
-    tokens: torch.LongTensor  # (R, G) drafted tokens, 0 past a row's length
-    probs: torch.Tensor | None  # (R, G, V) processed draft distributions of sampled rows, 0 past a row's length
-    lengths: torch.LongTensor  # (R,) slots to verify
-    confidences: torch.Tensor  # (R, G) conditional confidences c_j (0 where not computed)
-
-
-def _draft(drafter: DSparkDraftModel, rows: _Rows, budget: torch.LongTensor, policy: str, policy_arg,
-           sampling: _RowSampling, generator: torch.Generator | None) -> _Drafts:
-    """One backbone pass for all rows (consuming the queued context), then the sequential head slot by slot.
-
-    Per row this is `DSparkCandidateGenerator._draft` (both call `DSparkDraftModel.draft_slot`) with the same token
-    choice. A row stops drafting at its budget, or (threshold policy) at the first slot whose cumulative confidence
-    (or, under the drafter's `"per_slot"` rule, its own confidence) falls below the threshold, decided from c_1..c_j
-    before x_j is drawn.
-    """
+def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor, slots: int, rule: DraftLengthRule,
+           sampling: RowSampling, generator: torch.Generator | None) -> Drafts:
+    """One backbone pass for all rows (consuming the queued context), then the drafting core over `slots` slots
+    (`draft_block`, as at batch 1) and the draft-length rule on the device: each row verifies at most its
+    `budget`, and under a threshold or the scheduler fewer, decided from its confidences c_1..c_k alone."""
     config = drafter.config
     num_rows, gamma = rows.anchor.shape[0], config.block_size
     device = rows.anchor.device
@@ -469,49 +186,11 @@ def _draft(drafter: DSparkDraftModel, rows: _Rows, budget: torch.LongTensor, pol
                   position_ids=rows.target_length[:, None] + torch.arange(gamma, device=device),
                   context_position_ids=rows.pending_positions, attention_mask=mask, cache=rows.draft_cache)
     rows.draft_valid = context_valid  # the queued context is in the cache now; verification queues the next
-
-    slots = int(budget.max()) if num_rows else 0
-    tokens = rows.anchor.new_zeros(num_rows, slots)
-    confidences = torch.zeros(num_rows, slots, device=device)
-    probs = torch.zeros(num_rows, slots, config.vocab_size, device=device) if sampling.any_sampled else None
-    lengths = torch.zeros_like(budget)
-    hidden, base_logits = out.last_hidden_state, out.base_logits
-    head = drafter.sequential_head
-    state = head.initial_state(num_rows, hidden) if head is not None else None
-    drafting = budget > 0
-    survival = torch.ones(num_rows, device=device)
-    previous = rows.anchor
-    for slot in range(slots):
-        logits, confidence, state = drafter.draft_slot(hidden[:, slot], base_logits[:, slot], previous, state, slot)
-        if confidence is not None:
-            confidences[:, slot] = confidence
-            survival = survival * confidence
-            if policy == "threshold":  # the drafter's rule: survival c_1...c_j, or c_j alone ("per_slot")
-                compared = confidence if drafter.confidence_threshold_rule == "per_slot" else survival
-                drafting = drafting & (compared >= policy_arg)
-        drafting = drafting & (slot < budget)
-        if not bool(drafting.any()):
-            break
-        processed = sampling.warp(drafter.to_target_vocab(logits.float()))
-        token, distribution = sampling.choose(processed, generator)
-        if distribution is not None:
-            probs[:, slot] = distribution * drafting[:, None]
-        tokens[:, slot] = torch.where(drafting, token, 0)
-        lengths += drafting.long()
-        previous = token
-
-    if policy == "scheduler" and slots > 0:
-        # Confidences past a row's budget were computed but are never candidates: max_lengths masks them.
-        lengths = policy_arg.select_lengths(confidences[:, : int(lengths.max())], max_lengths=lengths).to(device)
-    return _Drafts(tokens, probs, lengths, confidences)
+    tokens, probs, confidences = draft_block(drafter, out, rows.anchor, slots, sampling, generator)
+    return Drafts(tokens, probs, rule.lengths(confidences, budget), confidences)
 
 
-def _no_drafts(num_rows: int, device) -> _Drafts:
-    return _Drafts(torch.zeros(num_rows, 0, dtype=torch.long, device=device), None,
-                   torch.zeros(num_rows, dtype=torch.long, device=device), torch.zeros(num_rows, 0, device=device))
-
-
-def _project_context(drafter: DSparkDraftModel, rows: _Rows) -> None:
+def _project_context(drafter: DSparkDraftModel, rows: BatchRows) -> None:
     """Move the queued context into the drafter's cache now, with a one-slot pass whose output is discarded.
 
     A context row's keys and values depend only on its target features and position, not on the block, so this
@@ -528,8 +207,8 @@ def _project_context(drafter: DSparkDraftModel, rows: _Rows) -> None:
     rows.pending_positions = rows.pending_positions[:, :0]
 
 
-def _prefill(target, input_ids, prompt_mask, request_ids, limits, layer_indices, sampling: _RowSampling,
-             generator) -> tuple[_Rows, torch.LongTensor]:
+def _prefill(target, input_ids, prompt_mask, request_ids, layer_indices, sampling: RowSampling, generator,
+             feature_device) -> tuple[BatchRows, torch.LongTensor]:
     """Run left-padded prompts through the target; return their rows' state and each request's first new token.
 
     Positions count real tokens only, as `generate` does for left-padded prompts. Left padding becomes the first
@@ -538,11 +217,10 @@ def _prefill(target, input_ids, prompt_mask, request_ids, limits, layer_indices,
     num_requests, device = input_ids.shape[0], input_ids.device
     positions = (prompt_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
     empty = prompt_mask[:, :0]
-    rows = _Rows(
-        request=torch.tensor(request_ids, dtype=torch.long, device=device),
+    rows = BatchRows(
+        request=to_device(request_ids, device),
+        request_ids=list(request_ids),
         anchor=input_ids[:, -1],
-        emitted=input_ids.new_zeros(num_requests),
-        limit=torch.tensor(limits, dtype=torch.long, device=device),
         target_cache=_new_target_cache(target),
         target_valid=empty,
         target_length=input_ids.new_zeros(num_requests),
@@ -552,60 +230,59 @@ def _prefill(target, input_ids, prompt_mask, request_ids, limits, layer_indices,
         pending_valid=empty,
         pending_positions=positions[:, :0],
     )
-    target_logits, features = _target_forward(target, rows, input_ids, prompt_mask, positions, layer_indices, keep=1)
-    _, first_token = sampling.verify(target_logits, _no_drafts(num_requests, device), generator)
+    target_logits, features = _target_forward(target, rows, input_ids, prompt_mask, positions, layer_indices, keep=1,
+                                              feature_device=feature_device)
+    _, first_token, _ = verify_drafts(sampling, target_logits, Drafts.empty(num_requests, device), generator)
     rows.target_valid, rows.target_length = prompt_mask, prompt_mask.long().sum(dim=1)
-    rows.stage_context(features, prompt_mask, positions)
+    rows.stage_context(features, prompt_mask, positions, width=prompt_mask.shape[1])
     return rows, first_token
 
 
-def _verify_round(target, rows: _Rows, drafts: _Drafts, layer_indices, sampling: _RowSampling, generator):
-    """Verify every row's anchor and drafts in one target forward, padded to the longest row; update both caches'
-    bookkeeping. Returns (candidate tokens (R, N): accepted drafts then the target's token, number accepted (R,))."""
-    width = int(drafts.lengths.max()) + 1
+def _verify_round(target, rows: BatchRows, drafts: Drafts, width: int, layer_indices, sampling: RowSampling,
+                  generator, feature_device):
+    """Verify every row's anchor and drafts in one target forward of `width` entries per row (the longest row's
+    drafts + 1, read on the host). Returns (candidate tokens (R, width): accepted drafts then the target's token,
+    number accepted (R,), features, positions), all on the device."""
     offsets = torch.arange(width, device=rows.anchor.device)
     tokens = torch.cat([rows.anchor[:, None], drafts.tokens[:, : width - 1]], dim=1)
     new_valid = offsets[None, :] < drafts.lengths[:, None] + 1
     positions = rows.target_length[:, None] + offsets  # padded entries get the same arithmetic; they are masked
-    target_logits, features = _target_forward(target, rows, tokens, new_valid, positions, layer_indices, keep=width)
-    num_accepted, next_token = sampling.verify(target_logits, drafts, generator)
-
-    # The newest token and the accepted drafts become valid; rejected drafts and padding stay as holes, except
-    # the trailing columns that no row kept: cropping those is a free slice and bounds the cache's growth.
-    used = int(num_accepted.max()) + 1
-    if used < width:
-        rows.target_cache.crop(-(width - used))
-    kept = offsets[None, :used] < num_accepted[:, None] + 1
-    rows.target_valid = torch.cat([rows.target_valid, kept], dim=1)
-    rows.target_length = rows.target_length + num_accepted + 1
-    rows.stage_context(features, kept, positions)
-
+    target_logits, features = _target_forward(target, rows, tokens, new_valid, positions, layer_indices, keep=width,
+                                              feature_device=feature_device)
+    num_accepted, next_token, _ = verify_drafts(sampling, target_logits, drafts, generator)
     new_tokens = torch.cat([drafts.tokens[:, : width - 1], tokens.new_zeros(tokens.shape[0], 1)], dim=1)
     new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
-    return new_tokens, num_accepted
+    return new_tokens, num_accepted, features, positions
 
 
-def _emit(rows: _Rows, requests: dict[int, _Request], new_tokens: torch.LongTensor,
-          counts: torch.LongTensor) -> torch.BoolTensor:
-    """Append each row's first `counts[r]` tokens one at a time, stopping after an EOS or at `max_new_tokens`
-    exactly as plain decoding would; update the anchors; return which rows finished."""
-    finished, anchors, emitted = [], [], []
-    for row, request_id in enumerate(rows.request.tolist()):
-        request = requests[request_id]
+def _commit_round(rows: BatchRows, num_accepted: torch.LongTensor, accepted: list[int], width: int, features,
+                  positions) -> None:
+    """The newest token and the accepted drafts become valid; rejected drafts and padding stay as holes, except
+    the trailing columns that no row kept: cropping those is a free slice and bounds the cache's growth. `accepted`
+    is `num_accepted` as read on the host."""
+    used = max(accepted) + 1
+    if used < width:
+        rows.target_cache.crop(-(width - used))
+    kept = torch.arange(used, device=rows.anchor.device)[None, :] < num_accepted[:, None] + 1
+    rows.target_valid = torch.cat([rows.target_valid, kept], dim=1)
+    rows.target_length = rows.target_length + num_accepted + 1
+    rows.stage_context(features, kept, positions, width=used)
+
+
+def _emit(requests: list["_Request"], new_tokens: list[list[int]], counts: list[int]) -> list[bool]:
+    """Append each row's first `counts[r]` tokens (host ints), stopping after an EOS or at `max_new_tokens` exactly
+    as plain decoding would (every row's EOS found at once in the values read). Returns which rows finished."""
+    finished = []
+    for request, tokens, count in zip(requests, new_tokens, counts):
         done = False
-        for token in new_tokens[row, : int(counts[row])].tolist():
+        for token in tokens[:count]:
             request.tokens.append(token)
             request.emitted += 1
             if token in request.eos or request.emitted >= request.max_new_tokens:
                 done = True
                 break
         finished.append(done)
-        anchors.append(request.tokens[-1])
-        emitted.append(request.emitted)
-    device = rows.anchor.device
-    rows.anchor = torch.tensor(anchors, dtype=torch.long, device=device)
-    rows.emitted = torch.tensor(emitted, dtype=torch.long, device=device)
-    return torch.tensor(finished, dtype=torch.bool, device=device)
+    return finished
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -647,19 +324,19 @@ class SpeculativeEngine:
         if policy is None and drafter_type(drafter) == BLOCK_DRAFTER_TYPE:
             policy, policy_arg = resolve_verification_policy(drafter)
         _check_engine(target, drafter, policy, policy_arg)
-        drafter.attach_target(target)
+        drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
         self.target, self.drafter = target, drafter
         self.policy, self.policy_arg = policy, policy_arg
+        self.rule = DraftLengthRule(policy, policy_arg, drafter.confidence_threshold_rule)
         self.generator = generator
         self.device = target.device
-        self.gamma = min(drafter.draft_length(), drafter.config.block_size)
-        if policy == "fixed":
-            self.gamma = min(self.gamma, policy_arg)
+        self.gamma = self.rule.max_slots(min(drafter.draft_length(), drafter.config.block_size))
+        self._sampling: tuple[list[int], RowSampling] | None = None  # the current rows' settings, built once
         self.stats: dict[int, SpeculativeStats] = {}
         self.verified_tokens_per_round: list[int] = []
         self._requests: dict[int, _Request] = {}
         self._waiting: list[int] = []
-        self._rows: _Rows | None = None
+        self._rows: BatchRows | None = None
         self._ids = itertools.count()
         self._reset_policy()
 
@@ -745,11 +422,12 @@ class SpeculativeEngine:
         if request_id in self._waiting:
             self._waiting.remove(request_id)
         elif self._rows is not None:
-            keep = (self._rows.request != request_id).nonzero().squeeze(1)
-            if keep.numel() == 0:
+            keep = [row for row, r in enumerate(self._rows.request_ids) if r != request_id]
+            if not keep:
                 self._rows = None
-            elif keep.numel() < len(self._rows):
+            elif len(keep) < len(self._rows):
                 self._rows.select(keep)
+                self._rows.drop_unused_columns()
         return self._pop_output(request_id)
 
     def run_until_done(self) -> dict[int, torch.LongTensor]:
@@ -795,11 +473,13 @@ class SpeculativeEngine:
         del self.verified_tokens_per_round[snapshot.rounds:]
 
     def _reset_policy(self) -> None:
-        if hasattr(self.policy_arg, "reset"):
-            self.policy_arg.reset()
+        self.rule.reset()
 
-    def _row_sampling(self, request_ids: list[int]) -> _RowSampling:
-        return _RowSampling([self._requests[r].sampling for r in request_ids], self.device)
+    def _row_sampling(self, request_ids: list[int]) -> RowSampling:
+        if self._sampling is None or self._sampling[0] != request_ids:
+            self._sampling = (list(request_ids), RowSampling([self._requests[r].sampling for r in request_ids],
+                                                             self.device))
+        return self._sampling[1]
 
     def _pop_output(self, request_id: int) -> torch.LongTensor:
         request = self._requests.pop(request_id)
@@ -815,57 +495,80 @@ class SpeculativeEngine:
             return finished
         prompts = [self._requests[r].tokens for r in starting]
         width = max(len(p) for p in prompts)
-        input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros_like(input_ids, dtype=torch.bool)
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
             mask[row, width - len(prompt):] = True
-        rows, first_token = _prefill(
-            self.target, input_ids, mask, starting, [self._requests[r].max_new_tokens for r in starting],
-            self.drafter.target_hidden_state_indices, self._row_sampling(starting), self.generator,
-        )
-        done = _emit(rows, self._requests, first_token[:, None], torch.ones_like(first_token))
-        finished += [r for r, d in zip(starting, done.tolist()) if d]
-        if bool(done.all()):
+        input_ids, mask = input_ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
+        rows, first_token = _prefill(self.target, input_ids, mask, starting, self.drafter.target_hidden_state_indices,
+                                     self._row_sampling(starting), self.generator, self.drafter.device)
+        first = [[token] for token in first_token.tolist()]
+        done = _emit([self._requests[r] for r in starting], first, [1] * len(starting))
+        rows.anchor = first_token
+        finished += [r for r, d in zip(starting, done) if d]
+        if all(done):
             return finished
-        if bool(done.any()):
-            rows.select((~done).nonzero().squeeze(1))
+        if any(done):
+            rows.select([row for row, d in enumerate(done) if not d])
         if self.num_running:
             _project_context(self.drafter, rows)
             self._rows.merge(rows)
+            self._rows.drop_unused_columns()  # columns of the newcomers' left padding
         else:
             self._rows = rows
             self._reset_policy()  # a new batch: a stateful scheduler starts from its fallback
         return finished
 
     def _round(self) -> list[int]:
-        """One draft-verify round for every running row; retires and returns the requests it finished."""
+        """One draft-verify round for every running row; retires and returns the requests it finished.
+
+        The device is read twice: the verified lengths (and confidences), then the accepted counts and tokens."""
         rows = self._rows
-        request_ids = rows.request.tolist()
+        request_ids = rows.request_ids
+        requests = [self._requests[r] for r in request_ids]
         sampling = self._row_sampling(request_ids)
         # Every round emits at least one token, so a row drafts at most (tokens left - 1).
-        budget = (rows.limit - rows.emitted - 1).clamp(min=0, max=self.gamma)
-        if self.policy == "scheduler" and not self.policy_arg.needs_drafts():
+        budgets = [max(0, min(self.gamma, q.max_new_tokens - q.emitted - 1)) for q in requests]
+        if not self.rule.needs_drafts():
             _project_context(self.drafter, rows)  # keep the drafter's context current; nothing is drafted
-            drafts = _no_drafts(len(rows), rows.anchor.device)
+            drafts = Drafts.empty(len(rows), rows.anchor.device)
+            lengths, confidences = [0] * len(rows), [[] for _ in rows.request_ids]
         else:
-            drafts = _draft(self.drafter, rows, budget, self.policy, self.policy_arg, sampling, self.generator)
-        new_tokens, num_accepted = _verify_round(self.target, rows, drafts, self.drafter.target_hidden_state_indices,
-                                                 sampling, self.generator)
+            drafts = _draft(self.drafter, rows, to_device(budgets, rows.anchor.device), max(budgets), self.rule,
+                            sampling, self.generator)
+            lengths, confidences = _read_lengths(drafts)
+        width = max(lengths) + 1
+        new_tokens, num_accepted, features, positions = _verify_round(
+            self.target, rows, drafts, width, self.drafter.target_hidden_state_indices, sampling, self.generator,
+            self.drafter.device)
+        values = torch.cat([num_accepted[:, None], new_tokens], dim=1).tolist()  # the round's second read
+        accepted = [row[0] for row in values]
+        _commit_round(rows, num_accepted, accepted, width, features, positions)
 
-        self.verified_tokens_per_round.append(int((drafts.lengths + 1).sum()))
-        has_confidence = self.drafter.confidence_proj is not None
-        for row, request_id in enumerate(request_ids):
-            length = int(drafts.lengths[row])
-            confidences = drafts.confidences[row, :length].tolist() if has_confidence else None
-            self._requests[request_id].stats.record(length, int(num_accepted[row]), confidences)
-        done = _emit(rows, self._requests, new_tokens, num_accepted + 1)
-        finished = [r for r, d in zip(request_ids, done.tolist()) if d]
-        if bool(done.all()):
+        self.verified_tokens_per_round.append(sum(lengths) + len(rows))
+        for request, length, count, slot_confidences in zip(requests, lengths, accepted, confidences):
+            request.stats.record(length, count, slot_confidences if self.drafter.confidence_proj is not None else None)
+        done = _emit(requests, [row[1:] for row in values], [count + 1 for count in accepted])
+        finished = [r for r, d in zip(request_ids, done) if d]
+        if all(done):
             self._rows = None
-        elif finished:
-            rows.select((~done).nonzero().squeeze(1))
+        else:
+            # A row that goes on emitted all its tokens, the last being the target's: the next anchor.
+            rows.anchor = new_tokens.gather(1, num_accepted[:, None]).squeeze(1)
+            if finished:  # one more read, in the rounds where requests leave
+                rows.select([row for row, d in enumerate(done) if not d])
+                rows.drop_unused_columns()
         return finished
+
+
+def _read_lengths(drafts: Drafts) -> tuple[list[int], list[list[float]]]:
+    """The round's first read of the device: each row's verified length, with the confidences of those slots."""
+    if drafts.confidences is None:
+        return drafts.lengths.tolist(), [[] for _ in range(drafts.lengths.shape[0])]
+    values = torch.cat([drafts.lengths[:, None].to(drafts.confidences.dtype), drafts.confidences], dim=1).tolist()
+    lengths = [int(row[0]) for row in values]
+    return lengths, [row[1 : 1 + length] for row, length in zip(values, lengths)]
 
 
 @torch.no_grad()
