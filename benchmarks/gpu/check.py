@@ -482,7 +482,7 @@ def environment(results: Results, profile_name: str, command: str) -> None:
         "transformers_origin": str(Path(transformers.__file__).parent.parent),
         "huggingface_hub": importlib.metadata.version("huggingface_hub"),
         "hf_dspark": str(Path(hf_dspark.__file__).parent), "cpu_threads": torch.get_num_threads(),
-        "device_name": "cpu",
+        "device_name": "cpu", "settings": asdict(PROFILES[profile_name]),
     }
     for package in ("accelerate", "peft", "pytest"):
         try:
