@@ -423,6 +423,10 @@ def render_markdown(data: dict) -> str:
                 f"{ms(per.get('loop_overhead'))} | {ms(per.get('oracle'))} | {ms(r['seconds'].get('prefill'))} | "
                 f"{r['tokens_per_second']:.1f} | {r['plain_tokens_per_second']:.1f} | {r['speedup']:.2f}x |")
         lines.append("")
+        for name, target in data.get("rounds", {}).items():
+            if target.get("oracle_check"):
+                checks = "; ".join(f"{k}: {v}" for k, v in target["oracle_check"].items())
+                lines += [f"Oracle check on {name} (a = 0 accepts no draft, a = 1 every one): {checks}.", ""]
 
     training = data.get("train", {})
     if training:
@@ -564,6 +568,8 @@ def measure_rounds(results: Results, configs: Path, profile: Profile, deadline: 
         entry.update(runs=[], drafter={"layers": drafter.config.num_hidden_layers, "block_size": gamma,
                               "target_layer_ids": drafter.config.target_layer_ids,
                               "markov_rank": drafter.config.markov_rank, "parameters": parameter_count(drafter)})
+        entry["oracle_check"] = check_oracle(target, drafter, profile)
+        results.save()
         for rows in profile.round_rows:
             deadline.check(f"{name} at R = {rows}")
             new_tokens = profile.new_tokens[rows]
@@ -592,6 +598,27 @@ def measure_rounds(results: Results, configs: Path, profile: Profile, deadline: 
                       + ", ".join(f"{k} {ms(v)} ms" for k, v in run["per_round_seconds"].items()), flush=True)
         del target, drafter
         empty_cache(profile)
+
+
+def check_oracle(target, drafter, profile: Profile) -> dict:
+    """Before anything is timed: a = 1 must accept every drafted slot of every round and a = 0 none, at batch 1 and
+    in the batched engine, or the forced acceptances of the timed runs would mean nothing."""
+    gamma = drafter.config.block_size
+    found = {}
+    for rows in sorted({1, max(profile.round_rows)}):
+        ids, mask = random_prompts(rows, profile.prompt_length, target.config.vocab_size, target.config.pad_token_id,
+                                   target.device, seed=7)
+        for acceptance in (0.0, 1.0):
+            with torch.no_grad(), AcceptanceOracle(target, acceptance, seed=7):
+                target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
+                                max_new_tokens=3 * (gamma + 1))
+            stats = drafter.last_generation_stats
+            wanted = [length if acceptance == 1.0 else 0 for length in stats.draft_lengths]
+            if stats.accepted != wanted or not any(stats.draft_lengths):
+                raise RuntimeError(f"the acceptance oracle did not force a = {acceptance} at R = {rows}: drafted "
+                                   f"{stats.draft_lengths}, accepted {stats.accepted}")
+            found[f"R={rows} a={acceptance}"] = f"ok: tau {stats.tau:.2f} over {stats.num_rounds} request-rounds"
+    return found
 
 
 def measure_one_setting(target, drafter, ids, spec_kwargs, acceptance, rows, new_tokens) -> dict:
