@@ -482,17 +482,17 @@ def test_minus_one_converts_both_ways_and_other_negative_ids_are_refused(qwen3, 
 
 
 def _record_rounds(monkeypatch, drafter):
-    """Per drafting pass (batch 1 and batched): every confidence `draft_slot` computed (what decides the length),
+    """Per drafting pass (batch 1 and batched): every confidence `slot_confidences` computed (what decides the length),
     the budget and the resulting draft lengths."""
     from hf_dspark.generation import batched
     from hf_dspark.generation.candidates import DSparkCandidateGenerator
 
-    rounds, draft_slot = [], drafter.draft_slot
+    rounds, slot_confidences = [], drafter.slot_confidences
 
-    def recording_slot(hidden, base_logits, previous, state, slot):
-        logits, confidence, state = draft_slot(hidden, base_logits, previous, state, slot)
-        rounds[-1]["confidences"].append(confidence.detach().reshape(-1).clone())
-        return logits, confidence, state
+    def recording_confidences(hidden, previous_embeddings, first_slot=0):
+        confidences = slot_confidences(hidden, previous_embeddings, first_slot)
+        rounds[-1]["confidences"] += [confidences[:, j].detach().clone() for j in range(confidences.shape[1])]
+        return confidences
 
     single, batch = DSparkCandidateGenerator._draft, batched._draft
 
@@ -508,7 +508,7 @@ def _record_rounds(monkeypatch, drafter):
         rounds[-1]["lengths"] = drafts.lengths.tolist()
         return drafts
 
-    monkeypatch.setattr(drafter, "draft_slot", recording_slot)
+    monkeypatch.setattr(drafter, "slot_confidences", recording_confidences)
     monkeypatch.setattr(DSparkCandidateGenerator, "_draft", draft_one)
     monkeypatch.setattr(batched, "_draft", draft_batch)
     return rounds

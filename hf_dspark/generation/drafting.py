@@ -60,25 +60,26 @@ def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTe
     hidden, base_logits = backbone_output.last_hidden_state, backbone_output.base_logits
     head = drafter.sequential_head
     state = head.initial_state(anchor.shape[0], hidden) if head is not None else None
-    tokens, probs, confidences = [], [], []
+    tokens, probs, embeddings = [], [], []
     previous = anchor = anchor.to(hidden.device)  # the drafter sits by the target's LM head (`attach_target`)
     drafted = anchor[:, None][:, :0]
     for slot in range(slots):
-        logits, confidence, state = drafter.draft_slot(hidden[:, slot], base_logits[:, slot], previous, state, slot)
+        logits, embedding, state = drafter.slot_logits(hidden[:, slot], base_logits[:, slot], previous, state)
         processed = sampling.process(drafter.to_target_vocab(logits.float()), drafted)
         token, distribution = sampling.choose(processed, generator)
         tokens.append(token)
         if distribution is not None:
             probs.append(distribution)
-        if confidence is not None:
-            confidences.append(confidence)
+        if embedding is not None:
+            embeddings.append(embedding)
         previous = token
         if slot + 1 < slots and not getattr(sampling, "context_free", True):
             drafted = torch.stack(tokens, dim=1)  # only processors that read the context need it
     if not tokens:
         return anchor[:, None][:, :0], None, None
-    return (torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
-            torch.stack(confidences, dim=1) if confidences else None)
+    # Every slot's confidence in one call, now that every x_{k-1} is known (c_k never reads x_k).
+    confidences = drafter.slot_confidences(hidden[:, :slots], torch.stack(embeddings, dim=1) if embeddings else None)
+    return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, confidences
 
 
 def verify_drafts(sampling, target_logits: torch.Tensor, drafts: Drafts, generator: torch.Generator | None = None):

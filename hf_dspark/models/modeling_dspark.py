@@ -206,25 +206,38 @@ class DSparkDraftModel(DraftPreTrainedModel):
         features = hidden if previous_embedding is None else torch.cat([hidden, previous_embedding], dim=-1)
         return self.confidence_proj(features).squeeze(-1)
 
-    def draft_slot(
+    def slot_logits(
         self, hidden: torch.Tensor, base_logits: torch.Tensor, previous_tokens: torch.LongTensor,
-        state: torch.Tensor | None, slot: int,
+        state: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """One drafting slot after the backbone pass, for N rows: `hidden` (N, d) and `base_logits` (N, V) of slot
-        `slot`, `previous_tokens` (N,) target ids x_{k-1} (the anchor for slot 0) -> (logits corrected by the
-        sequential head, float32 confidence c_k scaled by `config.confidence_temperatures` or None without a
-        confidence head, the head's next state). Start `state` at `sequential_head.initial_state(N, hidden)`."""
-        logits, previous_embedding = base_logits, None
-        if self.sequential_head is not None:
-            mixed, previous_embedding, state = self.sequential_head.step(hidden, self.head_rows(previous_tokens), state)
-            logits = logits + self.sequential_head.output(mixed).to(logits.dtype)
-        confidence = None
-        if self.confidence_proj is not None:
-            logit = self.confidence_logit(hidden, previous_embedding)
-            if self.config.confidence_temperatures is not None:
-                logit = logit / self.config.confidence_temperatures[slot]
-            confidence = torch.sigmoid(logit.float())
-        return logits, confidence, state
+        """One drafting slot's logits after the backbone pass, for N rows: `hidden` (N, d) and `base_logits` (N, V)
+        of the slot, `previous_tokens` (N,) target ids x_{k-1} (the anchor for slot 0) -> (logits corrected by the
+        sequential head, W1[x_{k-1}] (what the confidence head also reads; None without a head), the head's next
+        state). Start `state` at `sequential_head.initial_state(N, hidden)`."""
+        if self.sequential_head is None:
+            return base_logits, None, state
+        mixed, previous_embedding, state = self.sequential_head.step(hidden, self.head_rows(previous_tokens), state)
+        return base_logits + self.sequential_head.output(mixed).to(base_logits.dtype), previous_embedding, state
+
+    def slot_confidences(self, hidden: torch.Tensor, previous_embeddings: torch.Tensor | None,
+                         first_slot: int = 0) -> torch.Tensor | None:
+        """Float32 confidences c_k of slots `first_slot`.. (N, S) from their hidden states (N, S, d) and W1[x_{k-1}]
+        (N, S, r), scaled by `config.confidence_temperatures`; None without a confidence head. All slots of a block
+        in one call: c_k depends on x_{k-1}, which is known once slot k-1 is drafted, never on x_k."""
+        if self.confidence_proj is None:
+            return None
+        logit = self.confidence_logit(hidden, previous_embeddings).float()
+        if self.config.confidence_temperatures is not None:
+            logit = logit / self._confidence_temperatures(logit.device)[first_slot : first_slot + hidden.shape[-2]]
+        return torch.sigmoid(logit)
+
+    def _confidence_temperatures(self, device) -> torch.Tensor:
+        """`config.confidence_temperatures` as a float32 tensor on `device`, made once (not a copy per round)."""
+        key = (tuple(self.config.confidence_temperatures), device)
+        if getattr(self, "_temperatures_key", None) != key:
+            self._temperatures = torch.tensor(key[0], dtype=torch.float32, device=device)
+            self._temperatures_key = key
+        return self._temperatures
 
     def forward(
         self,
