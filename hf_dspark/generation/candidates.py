@@ -52,7 +52,7 @@ class DraftCandidateGenerator(CandidateGenerator):
         self._pending: list[torch.Tensor] = []  # features of positions context_length..observed_length
         self.stats = SpeculativeStats()
         device = device if device is not None else next(drafter.parameters()).device
-        self.clock = PhaseClock(device, getattr(drafter, "time_phases", None))
+        self.clock = PhaseClock(device, drafter.time_phases)
         self._round_confidences: list[float] = []
         self._round_source = NO_DRAFT
         self._watched: list[tuple[int, list[int], int]] = []  # suffix proposals not yet scored

@@ -382,6 +382,10 @@ class DraftPreTrainedModel(PreTrainedModel):
         `"all"` (up to `num_draft_tokens`). Otherwise a policy name (`"all"`), a `(policy, policy_arg)` pair such
         as `("fixed", 2)` or `("threshold", 0.4)`, or a scheduler object, e.g.
         `DSparkScheduler(costs, mode="two_steps_ago")`; see `hf_dspark.generation.batched`."""
+        self.time_phases: bool | None = None
+        """Whether generation records per-phase seconds (`last_generation_stats.seconds`). None (the default) times
+        them on the CPU only: on an accelerator every reading synchronises the device first (a host round-trip per
+        phase), so set True there to see where a round's time goes, at that cost."""
         self.last_generation_stats = None
         """`SpeculativeStats` of the latest `generate()` call (a batch: every request's rounds merged)."""
         self.last_batch_output = None
