@@ -183,8 +183,9 @@ def test_runner_outputs_match_the_dynamic_runner(targets, compile_config):
     target = targets["qwen3"]
     layer_indices = [1, 3, 4]  # 4: the last layer's output after the final norm
     dynamic = DynamicTargetRunner(target, DynamicCache(config=target.config), layer_indices)
+    compiled = target.get_compiled_call(compile_config)
     static = StaticTargetRunner(target, StaticCache(config=target.config, max_cache_len=64), layer_indices,
-                                capacity=64, buckets=(2, 4, 8), compiled_forward=target.get_compiled_call(compile_config))
+                                capacity=64, buckets=(2, 4, 8), compiled_forward=compiled)
     tokens = torch.randint(0, SMALL_VOCAB, (1, 40), generator=torch.Generator().manual_seed(5))
     # (tokens already cached, tokens in this forward); each forward is followed by a crop, as in the loop
     schedule = [(0, 9), (9, 3), (10, 5), (14, 1), (12, 7), (18, 3)]

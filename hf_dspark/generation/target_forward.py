@@ -179,7 +179,8 @@ def _static_capacity(cache, generation_config, buckets: tuple[int, ...] | None) 
     """Entries for the whole generation (`max_length` - 1: the newest token is never cached) plus the padding of its
     last verification, which may start one position before that end; a cache already that long is kept."""
     needed = generation_config.max_length - 1
-    if buckets is not None:  # without them (powers of two, no known largest round) a forward that does not fit runs eagerly
+    # Without buckets (powers of two, no known largest round), a padded forward that would not fit runs eagerly.
+    if buckets is not None:
         needed += max(buckets) - 1
     if cache.get_max_length() >= needed:
         return cache.get_max_length()
