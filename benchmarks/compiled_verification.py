@@ -17,7 +17,6 @@ second shape) unless `--static-shapes`.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import platform
 import sys
@@ -27,8 +26,7 @@ import torch
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 import hf_dspark
-from hf_dspark.generation import decoding
-from hf_dspark.generation.target_forward import target_runner_for, verification_buckets
+from hf_dspark.generation.target_forward import verification_buckets
 
 MODES = ("plain", "plain compiled", "ours eager", "ours compiled")
 
@@ -90,9 +88,6 @@ def compiled_graphs() -> int:
 
 
 def bench(name: str, target, drafter, prompts, max_new_tokens: int, compile_config, report):
-    # The drafter sets the bucket lengths: hand it to the runner as the loop's `target_runner_for(..., drafter=drafter)`
-    # does (a keyword the loop passes itself wins over this one).
-    decoding.target_runner_for = functools.partial(target_runner_for, drafter=drafter)
     report(f"## {name}: {len(prompts)} prompts of {[p.shape[1] for p in prompts]} tokens, {max_new_tokens} new tokens, "
            f"verification buckets {verification_buckets(drafter)}")
     references = {}

@@ -9,14 +9,12 @@ writes, the step before inductor's code generation) on a single shape. `benchmar
 inductor itself.
 """
 
-import functools
 
 import pytest
 import torch
 from transformers import CompileConfig, DynamicCache, GenerationConfig, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from hf_dspark.generation import decoding
 from hf_dspark.generation.target_forward import (DynamicTargetRunner, StaticTargetRunner, target_runner_for,
                                                  verification_buckets)
 from hf_dspark.scheduling import VerificationCostTable
@@ -79,18 +77,6 @@ def targets():
     return {family: tiny_target(family, vocab_size=SMALL_VOCAB) for family in ("llama", "qwen3", "gemma3")}
 
 
-@pytest.fixture
-def loop_passes_drafter(monkeypatch):
-    """Hand the drafter to `target_runner_for` as the loop's call `target_runner_for(..., drafter=drafter)` does (the
-    bucket lengths are the drafter's); when the loop passes it already, its own keyword wins and this changes
-    nothing."""
-
-    def use(drafter):
-        monkeypatch.setattr(decoding, "target_runner_for", functools.partial(target_runner_for, drafter=drafter))
-
-    return use
-
-
 def static_generate(target, ids, drafter, compile_config, **kwargs):
     return target.generate(ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, cache_implementation="static",
                            compile_config=compile_config, **kwargs)
@@ -113,13 +99,12 @@ def test_bucket_rules_cover_every_round():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("kind", ["markov", "eagle3"])
 @pytest.mark.parametrize("with_costs", [False, True], ids=["powers-of-two", "cost-table"])
-def test_compiled_verification_matches_plain_greedy(targets, recorder, compile_config, loop_passes_drafter,
+def test_compiled_verification_matches_plain_greedy(targets, recorder, compile_config,
                                                     family, kind, with_costs):
     target = targets[family]
     drafter = tiny_drafter(target, kind, block_size=BLOCK_SIZE)
     drafter.suffix_drafting = True
     drafter.verification_costs = COSTS if with_costs else None
-    loop_passes_drafter(drafter)
     graphs_before, calls_before, rounds, accepted = len(recorder.lengths), recorder.calls, 0, []
     with_logits = dict(do_sample=False, return_dict_in_generate=True, output_logits=True)
     for ids in prompts(3, vocab_size=SMALL_VOCAB):  # three prompt lengths: one cache length, no recompiles
@@ -137,12 +122,11 @@ def test_compiled_verification_matches_plain_greedy(targets, recorder, compile_c
     assert 0 in accepted and max(accepted) >= 1  # rejected drafts cropped; accepted ones commit several tokens
 
 
-def test_sliding_window_target_keeps_its_window(targets, recorder, compile_config, loop_passes_drafter):
+def test_sliding_window_target_keeps_its_window(targets, recorder, compile_config):
     target = targets["gemma3"]
     window = target.config.sliding_window
     drafter = tiny_drafter(target, "markov", block_size=BLOCK_SIZE)
     drafter.suffix_drafting = True
-    loop_passes_drafter(drafter)
     calls_before = recorder.calls
     with_logits = dict(do_sample=False, return_dict_in_generate=True, output_logits=True)
     for ids in prompts(2, vocab_size=SMALL_VOCAB):
@@ -159,12 +143,11 @@ def test_sliding_window_target_keeps_its_window(targets, recorder, compile_confi
 
 
 @pytest.mark.parametrize("kind", ["markov", "eagle3"])
-def test_sampling_draws_what_the_eager_loop_draws(targets, compile_config, loop_passes_drafter, kind):
+def test_sampling_draws_what_the_eager_loop_draws(targets, compile_config, kind):
     """The runner consumes no randomness, so with the same seed the compiled path must draw the very tokens of the
     eager path, whose distribution tests/test_sampling_lossless.py checks."""
     target = targets["llama"]
     drafter = tiny_drafter(target, kind, block_size=BLOCK_SIZE)
-    loop_passes_drafter(drafter)
     sampling = dict(do_sample=True, temperature=0.8, top_p=0.95)
     accepted = 0
     for seed, ids in enumerate(prompts(2, vocab_size=SMALL_VOCAB) * 2):
@@ -197,22 +180,21 @@ def test_runner_outputs_match_the_dynamic_runner(targets, compile_config):
             (d_out, d_logits), (s_out, s_logits) = (runner.forward(tokens[:, start : start + count], keep)
                                                     for runner in (dynamic, static))
             assert s_logits.shape == d_logits.shape == (1, keep, SMALL_VOCAB)
-            torch.testing.assert_close(s_logits, d_logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(s_logits, d_logits, rtol=1e-4, atol=1e-4)
             for i in layer_indices:
                 assert s_out.hidden_states[i].shape[1] == count
-                torch.testing.assert_close(s_out.hidden_states[i], d_out.hidden_states[i], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(s_out.hidden_states[i], d_out.hidden_states[i], rtol=1e-4, atol=1e-4)
     assert static.compiled_lengths == {4, 8, 2}  # 3 and 5 padded, 1 padded to the smallest bucket, 7 to 8
     assert int(static.cache.get_seq_length()) == static.length == 21
 
 
-def test_aot_eager_backend_single_bucket(loop_passes_drafter):
+def test_aot_eager_backend_single_bucket():
     """torch's aot_eager backend (what inductor compiles from) on one shape: a cost table that makes every round
     cheapest at the largest size pads all of them to it."""
     target = tiny_target("llama", vocab_size=SMALL_VOCAB)
     drafter = tiny_drafter(target, "markov", block_size=BLOCK_SIZE)
     drafter.verification_costs = VerificationCostTable([2.0, 2.0, 2.0, 2.0, 1.0])
     assert verification_buckets(drafter) == (BLOCK_SIZE + 1,)
-    loop_passes_drafter(drafter)
     config = compile_all_devices(CompileConfig(backend="aot_eager", dynamic=False, mode="default"))
     with torch._dynamo.config.patch(recompile_limit=64):
         for ids in prompts(2, vocab_size=SMALL_VOCAB):
@@ -221,12 +203,11 @@ def test_aot_eager_backend_single_bucket(loop_passes_drafter):
     assert target._last_compile_config is config  # generate's own compiled call, made from our config
 
 
-def test_static_cache_without_compiling_runs_eagerly(targets, recorder, compile_config, loop_passes_drafter):
+def test_static_cache_without_compiling_runs_eagerly(targets, recorder, compile_config):
     """As in stock generate: a static cache on CPU without `_compile_all_devices`, or `disable_compile=True`,
     compiles nothing; the output is still plain greedy's."""
     target = targets["llama"]
     drafter = tiny_drafter(target, "markov", block_size=BLOCK_SIZE)
-    loop_passes_drafter(drafter)
     calls_before = recorder.calls
     for ids in prompts(2, vocab_size=SMALL_VOCAB):
         expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)

@@ -129,7 +129,7 @@ def speculative_decoding(
     sampling, clock, stats = generator.sampling, generator.clock, generator.stats
     layer_indices = generator.model_kwargs_overrides["output_hidden_states"]
     cache = model_kwargs["cache"]
-    runner = target_runner_for(target, cache, generation_config, layer_indices)
+    runner = target_runner_for(target, cache, generation_config, layer_indices, drafter=drafter)
     stop_rule = _HostStoppingRule.from_criteria(stopping_criteria)
 
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
@@ -183,7 +183,7 @@ def speculative_decoding(
         started = clock.now()
         tokens = torch.cat([sequence[:, -1:], drafts.tokens[:, : drafts.length].to(sequence.device)], dim=-1)
         real = tokens.shape[1]
-        if drafter.verification_costs is not None:
+        if drafter.verification_costs is not None and not runner.pads_to_buckets:
             # Pad to the cheapest forward size: later dummy tokens cannot change earlier logits (causal), their
             # features are never read and their cache entries are cropped with the rejected drafts.
             padded = drafter.verification_costs.padded_tokens(real)

@@ -20,6 +20,8 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer, get_
 class DynamicTargetRunner:
     """Eager forwards on a `DynamicCache`: every call appends its tokens; `crop` drops the rejected ones."""
 
+    pads_to_buckets = False  # the loop pads to the cost table's cheapest size itself
+
     def __init__(self, target, cache, layer_indices: list[int]):
         self.target, self.cache, self.layer_indices = target, cache, layer_indices
         self._kwargs = {"logits_to_keep": None} if target._supports_logits_to_keep() else {}
@@ -75,6 +77,8 @@ class StaticTargetRunner:
         buckets: the padded lengths, ascending; None pads to the next power of two.
         compiled_forward: the target's compiled call, or None to run every forward eagerly at its real size.
     """
+
+    pads_to_buckets = True  # every verification is padded to a bucket here
 
     def __init__(self, target, cache, layer_indices: list[int], capacity: int, buckets: tuple[int, ...] | None,
                  compiled_forward=None):
