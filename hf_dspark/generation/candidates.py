@@ -73,7 +73,7 @@ class DraftCandidateGenerator(CandidateGenerator):
         budget = min(self.drafter.draft_length(), self.max_length - input_ids.shape[1] - 1)
         self._round_confidences, self._round_source = [], NO_DRAFT
         if budget <= 0:
-            return self._host_length(Drafts.empty(1, input_ids.device), 0)
+            return Drafts.empty(1, input_ids.device)
         proposal, match = self.suffix.propose(budget) if self.suffix is not None else ([], 0)
         if proposal:
             self._watched.append((len(self.suffix.tokens), proposal, match))
@@ -86,7 +86,7 @@ class DraftCandidateGenerator(CandidateGenerator):
             self._round_source = SUFFIX
             return self._suffix_drafts(input_ids, proposal[:length])
         if source == NO_DRAFT:
-            return self._host_length(Drafts.empty(1, input_ids.device), 0)
+            return Drafts.empty(1, input_ids.device)
         self._round_source = DRAFTER
         features = torch.cat(self._pending, dim=1)
         self._pending = []
@@ -146,11 +146,6 @@ class DraftCandidateGenerator(CandidateGenerator):
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _host_length(drafts: Drafts, length: int) -> Drafts:
-        drafts.length = length
-        return drafts
-
     def _observe(self, input_ids: torch.LongTensor, model_outputs) -> None:
         """Keep the target features of the positions committed by the last forward (all before the anchor)."""
         anchor_position = input_ids.shape[1] - 1
@@ -175,7 +170,7 @@ class DraftCandidateGenerator(CandidateGenerator):
         tokens = torch.tensor([proposal], dtype=input_ids.dtype, device=input_ids.device)
         probs = one_hot_probs(tokens, self.drafter.config.vocab_size) if self.do_sample else None
         lengths = torch.full((1,), len(proposal), dtype=torch.long, device=input_ids.device)
-        return self._host_length(Drafts(tokens, probs, lengths), len(proposal))
+        return Drafts(tokens, probs, lengths, length=len(proposal))
 
     def _draft(self, input_ids, features, budget) -> Drafts:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -217,7 +212,7 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
             length = int(values[0])
             self._round_confidences = values[1 : 1 + length]
         self.clock.lap(self.stats, "sequential_head", started)
-        return self._host_length(Drafts(tokens, probs, lengths, confidences), length)
+        return Drafts(tokens, probs, lengths, confidences, length)
 
 
 class Eagle3CandidateGenerator(DraftCandidateGenerator):
@@ -249,8 +244,8 @@ class Eagle3CandidateGenerator(DraftCandidateGenerator):
         self.cache.crop(self.context_length)  # drafted rows were built on the drafter's own states
         self.clock.lap(self.stats, "drafting", started)
         lengths = torch.full((1,), budget, dtype=torch.long, device=input_ids.device)
-        return self._host_length(Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
-                                        lengths), budget)
+        return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, lengths,
+                      length=budget)
 
 
 def candidate_generator_for(

@@ -141,7 +141,6 @@ def speculative_decoding(
     generator.extend_text(sequence[0].tolist())
     outputs, target_logits = runner.forward(sequence, keep=1)
     drafts = Drafts.empty(1, sequence.device)
-    drafts.length = 0
     is_prefill = True
     while True:
         sampling.sequence = sequence

@@ -39,7 +39,7 @@ class Drafts:
     @classmethod
     def empty(cls, num_rows: int, device) -> "Drafts":
         return cls(torch.zeros(num_rows, 0, dtype=torch.long, device=device), None,
-                   torch.zeros(num_rows, dtype=torch.long, device=device))
+                   torch.zeros(num_rows, dtype=torch.long, device=device), length=0)
 
 
 def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTensor, slots: int, sampling,
