@@ -158,18 +158,22 @@ def speculative_decoding(
         if stop_rule is not None:
             count, finished = stop_rule.first_stop(emitted, sequence.shape[1])
             sequence = torch.cat([sequence, new_tokens[:, :count]], dim=-1)
-        else:  # a criterion of the user's: it sees every token, as in plain decoding
+            if want_scores:
+                scores += tuple(processed[:, j] for j in range(count))
+            if want_logits:
+                raw_logits += tuple(target_logits[:, j] for j in range(count))
+        else:  # a criterion of the user's: it sees every token and its score, as in plain decoding
             count, finished = 0, False
             for j in range(len(emitted)):
                 sequence = torch.cat([sequence, new_tokens[:, j : j + 1]], dim=-1)
                 count += 1
+                if want_scores:
+                    scores += (processed[:, j],)
+                if want_logits:
+                    raw_logits += (target_logits[:, j],)
                 if bool(stopping_criteria(sequence, scores).all()):
                     finished = True
                     break
-        if want_scores:
-            scores += tuple(processed[:, j] for j in range(count))
-        if want_logits:
-            raw_logits += tuple(target_logits[:, j] for j in range(count))
         if streamer is not None:
             streamer.put(new_tokens[:, :count].cpu())
         # The cache holds every position but the newest token, as after plain decoding.
