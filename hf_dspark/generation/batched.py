@@ -69,7 +69,8 @@ class BatchedOutput:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _check_engine(target, drafter, policy, policy_arg) -> None:
+def _check_engine(target, drafter, policy, policy_arg) -> DraftLengthRule:
+    """Refuse what the engine cannot run, before any work; returns the draft-length rule of the policy."""
     if drafter_type(drafter) != BLOCK_DRAFTER_TYPE:
         raise ValueError(
             f"Batched speculative decoding supports DSpark/DFlash drafters (DSparkDraftModel), got "
@@ -85,12 +86,13 @@ def _check_engine(target, drafter, policy, policy_arg) -> None:
             f"Load it with attn_implementation='sdpa'."
         )
     _new_target_cache(target)  # refuses sliding-window targets before any work
-    DraftLengthRule(policy, policy_arg)  # refuses a malformed policy
+    rule = DraftLengthRule(policy, policy_arg, drafter.confidence_threshold_rule)  # refuses a malformed policy
     if policy in ("threshold", "scheduler") and drafter.confidence_proj is None:
         raise ValueError(
             f"policy {policy!r} needs the drafter's confidence head; this drafter has none (DFlash). "
             "Use policy 'all' or 'fixed'."
         )
+    return rule
 
 
 def check_left_padded(input_ids, attention_mask) -> None:
@@ -323,11 +325,10 @@ class SpeculativeEngine:
                  generator: torch.Generator | None = None):
         if policy is None and drafter_type(drafter) == BLOCK_DRAFTER_TYPE:
             policy, policy_arg = resolve_verification_policy(drafter)
-        _check_engine(target, drafter, policy, policy_arg)
+        self.rule = _check_engine(target, drafter, policy, policy_arg)
         drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
         self.target, self.drafter = target, drafter
         self.policy, self.policy_arg = policy, policy_arg
-        self.rule = DraftLengthRule(policy, policy_arg, drafter.confidence_threshold_rule)
         self.generator = generator
         self.device = target.device
         self.gamma = self.rule.max_slots(min(drafter.draft_length(), drafter.config.block_size))

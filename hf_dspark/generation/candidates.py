@@ -42,7 +42,6 @@ class DraftCandidateGenerator(CandidateGenerator):
     ):
         self.drafter = drafter
         self.sampling = ProcessorSampling(logits_processor, bool(generation_config.do_sample))
-        self.logits_processor = self.sampling.processors
         self.do_sample = self.sampling.any_sampled
         self.max_length = generation_config.max_length
         self.model_kwargs_overrides = {"output_hidden_states": drafter.target_hidden_state_indices}

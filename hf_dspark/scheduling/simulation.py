@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from .cost_table import VerificationCostTable
+from .draft_length import DraftLengthRule
 from .scheduler import DSparkScheduler
 
 POLICIES = ("plain", "all", "fixed", "threshold", "scheduler")
@@ -84,19 +85,15 @@ class PolicyResult:
 
 
 def policy_lengths(policy: str, policy_arg, confidences: torch.Tensor) -> torch.LongTensor:
-    """Drafts each request verifies this round under `policy` (as the batched engine decides them)."""
+    """Drafts each request verifies this round under `policy` (the engine's own `DraftLengthRule`, every slot
+    drafted; ``"plain"`` verifies none)."""
     requests, gamma = confidences.shape
     if policy == "plain":
         return torch.zeros(requests, dtype=torch.long)
-    if policy == "all":
-        return torch.full((requests,), gamma, dtype=torch.long)
-    if policy == "fixed":
-        return torch.full((requests,), min(int(policy_arg), gamma), dtype=torch.long)
-    if policy == "threshold":
-        return (confidences.cumprod(dim=-1) >= policy_arg).long().cumprod(dim=-1).sum(dim=-1)
-    if policy == "scheduler":
-        return policy_arg.select_lengths(confidences)
-    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    budget = torch.full((requests,), gamma, dtype=torch.long)
+    return DraftLengthRule(policy, policy_arg).lengths(confidences, budget)
 
 
 def simulate_policy(policy: str, policy_arg, *, requests: int, rounds: int, confidence_model: ConfidenceModel,
