@@ -129,3 +129,25 @@ def test_lora_adapter_fine_tuning_saves_and_loads_onto_the_base_drafter(tmp_path
     ids = torch.tensor([examples[0]["input_ids"][: examples[0]["loss_mask"].index(1)]])
     assert torch.equal(target.generate(ids, assistant_model=adapted, do_sample=False, max_new_tokens=20),
                        target.generate(ids, do_sample=False, max_new_tokens=20))
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_continuing_a_drafter_saved_without_qk_norms_adds_them_and_keeps_every_other_weight(tmp_path, kind):
+    from hf_dspark.training.recipes import continue_drafter
+
+    target = tiny_target("llama")
+    saved = tiny_drafter(target, {"dspark": "markov"}.get(kind, kind), qk_norm=False, draft_vocab_size=38)
+    saved.set_draft_vocab(torch.arange(2, 40))
+    saved.save_pretrained(tmp_path / "saved")
+
+    kept = continue_drafter(kind, str(tmp_path / "saved"), target)  # default: the checkpoint's own layout
+    assert not kept.config.qk_norm
+    widened = continue_drafter(kind, str(tmp_path / "saved"), target, qk_norm=True)
+    assert widened.config.qk_norm and widened.training and widened.dtype == torch.float32
+    before, after = saved.state_dict(), widened.state_dict()
+    added = sorted(set(after) - set(before))
+    assert added and all(name.endswith(("q_norm.weight", "k_norm.weight")) for name in added)
+    assert all(torch.equal(after[name], torch.ones_like(after[name])) for name in added)
+    assert all(torch.equal(after[name], before[name]) for name in before)  # draft vocabulary included
+    widened.save_pretrained(tmp_path / "widened")  # and it loads back with its norms, strictly
+    assert type(widened).from_pretrained(tmp_path / "widened").config.qk_norm

@@ -53,13 +53,32 @@ def build_drafter(kind: str, target, *, num_layers: int, block_size: int, markov
     return DSparkDraftModel(config)
 
 
-def continue_drafter(kind: str, path: str, target):
+def _with_qk_norms(drafter):
+    """The same drafter with per-head q/k RMSNorms (weights 1) in every attention layer; every other weight,
+    including the draft vocabulary, is carried over."""
+    config = drafter.config.__class__.from_dict({**drafter.config.to_dict(), "qk_norm": True})
+    widened = drafter.__class__(config)
+    missing, unexpected = widened.load_state_dict(drafter.state_dict(), strict=False)
+    if unexpected or any(not name.endswith(("q_norm.weight", "k_norm.weight")) for name in missing):
+        raise ValueError(f"adding q/k norms changed more than the norms: missing {missing}, unexpected {unexpected}")
+    return widened.to(drafter.dtype)
+
+
+def continue_drafter(kind: str, path: str, target, qk_norm: bool = False):
+    """The drafter saved at `path`, in float32 on the target's device, ready to train further. With `qk_norm` a
+    drafter saved without q/k norms gains them (weights 1, learnt from there), so it can be exported for serving;
+    norms a drafter already has are never removed."""
     read_saved_config(path, "drafter")  # a missing or broken folder is named before transformers tries the Hub
-    found = drafter_kind(AutoConfig.from_pretrained(path))
+    saved = AutoConfig.from_pretrained(path)
+    found = drafter_kind(saved)
     if found != (kind if kind in ("dflash", "eagle3") else "dspark"):
         raise UserInputError(f"--init-from {path} holds a {found or 'non-drafter'} checkpoint, not a {kind} drafter; "
                              f"pass a {kind} drafter or the --kind it is.")
-    drafter = (Eagle3DraftModel if kind == "eagle3" else DSparkDraftModel).from_pretrained(path)
+    model_class = Eagle3DraftModel if kind == "eagle3" else DSparkDraftModel
+    drafter = model_class.from_pretrained(path)
+    if qk_norm and not drafter.config.qk_norm:
+        drafter = _with_qk_norms(drafter)
+        print(f"--init-from {path}: added q/k norms (weights 1, trained from here) to a drafter saved without them")
     drafter = drafter.float().to(target.device)  # trained in float32 whatever the target's dtype, on its device
     drafter.attach_target(target, follow=False)
     return drafter.train()
@@ -106,7 +125,7 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
     output = Path(output_dir)
     if init_from:
         # Continue a trained drafter under a new budget: its config (layers, draft vocabulary) wins over the flags.
-        drafter = continue_drafter(kind, init_from, target)
+        drafter = continue_drafter(kind, init_from, target, qk_norm=qk_norm)
         draft_vocab_size, init_from_target, init_markov_bigrams = None, None, False
     else:
         drafter = build_drafter(kind, target, num_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
