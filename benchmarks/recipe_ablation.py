@@ -52,8 +52,12 @@ VARIANTS = {
     "lr-3e-4": {"learning_rate": 3e-4},
     "lr-1.2e-3": {"learning_rate": 1.2e-3},
     "bigram-markov-init": {"init_markov_bigrams": True},
-    # the shipped drafter (2.5 CPU hours, mostly off-policy) trained on for the same budget, q/k norms added
+    # The shipped drafter (2.5 CPU hours, mostly off-policy) trained on for the same budget, q/k norms added:
+    # the recipe questions a continued stage can still change (loss, learning rate) are asked from there too.
     "continue-shipped": {"init_from": SHIPPED_DSPARK, "init_from_target": None},
+    "continue-shipped-kl-heavy": {"init_from": SHIPPED_DSPARK, "init_from_target": None,
+                                  "loss_weights": {"ce_weight": 0.1, "tv_weight": 0.0, "kl_weight": 0.9}},
+    "continue-shipped-lr-1.2e-3": {"init_from": SHIPPED_DSPARK, "init_from_target": None, "learning_rate": 1.2e-3},
 }
 
 

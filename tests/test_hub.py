@@ -132,11 +132,12 @@ def test_custom_generate_samples_exactly_like_hf_dspark(saved, tmp_path):
 
 
 def test_shipped_folders_hold_no_code():
-    """The shipped drafters are config, weights, card and training log: save_pretrained writes the code."""
+    """The shipped drafters are config, weights, card, training log and stages: save_pretrained writes the code."""
     for kind in ("dspark", "dflash", "eagle3"):
         folder = hf_dspark.shipped_drafter_path(kind)
         assert sorted(p.name for p in folder.iterdir()) == sorted(
-            ["config.json", "model.safetensors", "README.md", "training_log.jsonl", "training_summary.json"])
+            ["config.json", "model.safetensors", "README.md", "training_log.jsonl", "training_summary.json",
+             "training_stages.json"])
         assert "auto_map" not in json.loads((folder / "config.json").read_text())
 
 

@@ -75,7 +75,8 @@ def test_installed_copy_finds_and_loads_the_shipped_drafters(installed, tmp_path
     for kind, path in found["shipped"].items():
         assert Path(path).is_relative_to(site) and not Path(path).is_relative_to(ROOT), path
         assert found["files"][kind] == sorted(
-            ["README.md", "config.json", "model.safetensors", "training_log.jsonl", "training_summary.json"])
+            ["README.md", "config.json", "model.safetensors", "training_log.jsonl", "training_stages.json",
+             "training_summary.json"])
     assert found["parameters"] > 1_000_000
     assert found["loaded"] == {"dspark": "DSparkDraftModel", "dflash": "DSparkDraftModel",
                                "eagle3": "Eagle3DraftModel"}
