@@ -151,3 +151,31 @@ def test_continuing_a_drafter_saved_without_qk_norms_adds_them_and_keeps_every_o
     assert all(torch.equal(after[name], before[name]) for name in before)  # draft vocabulary included
     widened.save_pretrained(tmp_path / "widened")  # and it loads back with its norms, strictly
     assert type(widened).from_pretrained(tmp_path / "widened").config.qk_norm
+
+
+@pytest.mark.parametrize("kind", ["markov", "dflash"])
+def test_training_blocks_score_what_generation_drafts(kind):
+    """Train/inference parity: the logits a packed training block gives slot k equal those the drafting path
+    computes for the same anchor from the target features before it (the call `DSparkCandidateGenerator` makes
+    each round), so what training optimises is what the verifier sees."""
+    from hf_dspark.training import build_blocks
+
+    target = tiny_target("llama").eval()
+    drafter = tiny_drafter(target, kind, block_size=4).eval()
+    drafter.attach_target(target)
+    ids = prompts(1, length=14)[0]
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in drafter.target_hidden_state_indices], dim=-1)
+        anchors = torch.tensor([[5, 9]])
+        blocks = build_blocks(ids, torch.ones_like(ids), anchors, torch.ones_like(anchors, dtype=torch.bool),
+                              block_size=4, mask_token_id=drafter.config.mask_token_id)
+        trained = drafter(input_ids=blocks.input_ids, target_hidden_states=features,
+                          position_ids=blocks.position_ids, attention_mask=blocks.attention_mask,
+                          previous_token_ids=blocks.previous_token_ids).logits.reshape(2, 4, -1)
+        for block, anchor in enumerate(anchors[0].tolist()):
+            block_ids = torch.cat([ids[:, anchor : anchor + 1],
+                                   ids.new_full((1, 3), drafter.config.mask_token_id)], dim=1)
+            drafted = drafter(input_ids=block_ids, target_hidden_states=features[:, :anchor],
+                              previous_token_ids=blocks.previous_token_ids[:, 4 * block : 4 * block + 4]).logits[0]
+            torch.testing.assert_close(trained[block], drafted, rtol=1e-4, atol=1e-4)
