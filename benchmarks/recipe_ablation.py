@@ -72,10 +72,12 @@ def plain_outputs(target, prompts: list[torch.Tensor], max_new_tokens: int, path
     """Plain greedy outputs, computed once (they do not depend on the variant) and kept beside the results."""
     if path.exists():
         saved = torch.load(path)
-        if len(saved) == len(prompts) and all(torch.equal(o[:, : p.shape[1]], p) for o, p in zip(saved, prompts)):
-            return saved
+        outputs = saved["outputs"]
+        if (saved["max_new_tokens"] == max_new_tokens and len(outputs) == len(prompts)
+                and all(torch.equal(o[:, : p.shape[1]], p) for o, p in zip(outputs, prompts))):
+            return outputs
     outputs = [target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens) for ids in prompts]
-    torch.save(outputs, path)
+    torch.save({"max_new_tokens": max_new_tokens, "outputs": outputs}, path)
     return outputs
 
 
