@@ -48,14 +48,16 @@ stage_dir.mkdir(parents=True, exist_ok=True)
 commands = {}
 for kind in args.kinds:
     shipped = os.path.relpath(shipped_drafter_path(kind))  # as the card shows it, from the repository root
-    command = ["hf-dspark", "train", "--kind", kind, "--init-from", shipped,
-               "--output", str(stage_dir / kind), "--cache", args.cache, "--batch-size", "4", "--num-anchors", "64",
-               "--learning-rate", f"{recipe['learning_rate']:g}", "--warmup-ratio", "0.0002", "--max-steps", "100000",
-               "--save-steps", "25", "--max-seconds", f"{args.seconds:g}", "--threads", str(args.threads), *loss_flags]
-    commands[kind] = shlex.join(command)
-    (stage_dir / "commands.json").write_text(json.dumps({"recipe": best["variant"], "commands": commands}, indent=2))
+    commands[kind] = ["hf-dspark", "train", "--kind", kind, "--init-from", shipped,
+                      "--output", str(stage_dir / kind), "--cache", args.cache, "--batch-size", "4",
+                      "--num-anchors", "64", "--learning-rate", f"{recipe['learning_rate']:g}", "--warmup-ratio",
+                      "0.0002", "--max-steps", "100000", "--save-steps", "25", "--max-seconds", f"{args.seconds:g}",
+                      "--threads", str(args.threads), *loss_flags]
+(stage_dir / "commands.json").write_text(json.dumps(
+    {"recipe": best["variant"], "commands": {kind: shlex.join(c) for kind, c in commands.items()}}, indent=2))
+for kind, command in commands.items():
     if (stage_dir / kind / "training_summary.json").exists():
         print(f"{kind}: already trained ({stage_dir / kind})")
         continue
-    print(commands[kind], flush=True)
+    print(shlex.join(command), flush=True)
     subprocess.run(command, check=True, stdout=sys.stdout, stderr=sys.stderr)

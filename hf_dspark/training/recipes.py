@@ -69,8 +69,7 @@ def continue_drafter(kind: str, path: str, target, qk_norm: bool = False):
     drafter saved without q/k norms gains them (weights 1, learnt from there), so it can be exported for serving;
     norms a drafter already has are never removed."""
     read_saved_config(path, "drafter")  # a missing or broken folder is named before transformers tries the Hub
-    saved = AutoConfig.from_pretrained(path)
-    found = drafter_kind(saved)
+    found = drafter_kind(AutoConfig.from_pretrained(path))
     if found != (kind if kind in ("dflash", "eagle3") else "dspark"):
         raise UserInputError(f"--init-from {path} holds a {found or 'non-drafter'} checkpoint, not a {kind} drafter; "
                              f"pass a {kind} drafter or the --kind it is.")
