@@ -103,7 +103,8 @@ def measured_tau(target, drafter, prompts: list[torch.Tensor], plain: list[torch
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cache", required=True, help="target cache of the on-policy data (`hf-dspark cache`)")
+    parser.add_argument("--cache", required=True, nargs="+",
+                        help="target cache folders of the on-policy data (`hf-dspark cache`), trained as one")
     parser.add_argument("--sharegpt-cache", default=None,
                         help="target cache of ShareGPT's own answers (`hf-dspark cache --dataset-answers N`)")
     parser.add_argument("--output", required=True)
@@ -156,7 +157,7 @@ def main() -> None:
     rows = [json.loads(line) for line in results_path.open()]
     base = next((r["tau"] for r in rows if r["variant"] == "baseline"), None)
     lines = ["# Recipe ablation (held-out measured tau, float32 greedy, drafter alone)", "",
-             f"Command: `python benchmarks/recipe_ablation.py --cache {args.cache} --seconds {args.seconds:g} "
+             f"Command: `python benchmarks/recipe_ablation.py --cache {' '.join(args.cache)} --seconds {args.seconds:g} "
              f"--output {args.output} --threads {args.threads}`" + (f" with `--sharegpt-cache {args.sharegpt_cache}`"
                                                                  if args.sharegpt_cache else ""), "",
              f"{len(prompts)} held-out prompts ({', '.join(args.benchmarks)}), {args.max_new_tokens} new tokens.", "",

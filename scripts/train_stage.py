@@ -24,7 +24,7 @@ from hf_dspark.models.loading import shipped_drafter_path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--ablation", required=True, help="results.jsonl of benchmarks/recipe_ablation.py")
-parser.add_argument("--cache", required=True, help="the target cache the ablation trained from")
+parser.add_argument("--cache", required=True, nargs="+", help="the target cache folders to train from")
 parser.add_argument("--stage", required=True)
 parser.add_argument("--seconds", type=float, required=True, help="training budget per drafter")
 parser.add_argument("--output", required=True)
@@ -49,7 +49,7 @@ commands = {}
 for kind in args.kinds:
     shipped = os.path.relpath(shipped_drafter_path(kind))  # as the card shows it, from the repository root
     commands[kind] = ["hf-dspark", "train", "--kind", kind, "--init-from", shipped,
-                      "--output", str(stage_dir / kind), "--cache", args.cache, "--batch-size", "4",
+                      "--output", str(stage_dir / kind), "--cache", *args.cache, "--batch-size", "4",
                       "--num-anchors", "64", "--learning-rate", f"{recipe['learning_rate']:g}", "--warmup-ratio",
                       "0.0002", "--max-steps", "100000", "--save-steps", "25", "--max-seconds", f"{args.seconds:g}",
                       "--threads", str(args.threads), *loss_flags]

@@ -85,6 +85,24 @@ def test_regenerate_can_write_the_target_cache_in_the_same_run(saved_pair, tmp_p
     assert example["loss_mask"].sum() >= 1
 
 
+def test_training_reads_several_cache_folders_as_one_dataset(saved_pair, tmp_path, capsys):
+    """Data regenerated later is cached in a folder of its own; `--cache A B` trains on both, nothing recached."""
+    for part, count in (("a", 2), ("b", 3)):
+        prompts = tmp_path / f"prompts-{part}.jsonl"
+        prompts.write_text("".join(json.dumps({"turns": [f"Name {i} {part} fruits."]}) + "\n" for i in range(count)))
+        assert main(["regenerate", "--prompts", str(prompts), "--target", str(saved_pair / "target"), "--output",
+                     str(tmp_path / f"regen-{part}"), "--max-new-tokens", "5", "--batch-size", "2", "--cache",
+                     str(tmp_path / f"cache-{part}"), "--cache-layers", "-1", "0"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--target", str(saved_pair / "target"), "--output", str(tmp_path / "out"), "--cache",
+                 str(tmp_path / "cache-a"), str(tmp_path / "cache-b"), "--max-steps", "2", "--block-size", "4",
+                 "--num-layers", "1", "--target-layers", "-1", "0", "--draft-vocab-size", "64",
+                 "--batch-size", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["examples"] == 5 and summary["steps"] == 2
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
 def test_profile_writes_a_cost_table_generate_can_use(saved_pair, tmp_path, capsys):
     table_path = tmp_path / "costs.json"
     assert main(["profile", "--target", str(saved_pair / "target"), "--drafter", str(saved_pair / "drafter"),

@@ -175,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="distil a drafter against a frozen target (resumes from checkpoints)")
     train.add_argument("--kind", default="dspark", choices=["dspark", "gated", "rnn", "dflash", "eagle3"])
     _add_data_arguments(train, "folder for the drafter (and trainer checkpoints)")
-    train.add_argument("--cache", default=None,
-                       help="train from a `hf-dspark cache` folder instead of running the target every step")
+    train.add_argument("--cache", nargs="+", default=None,
+                       help="train from `hf-dspark cache` folders (several train as one dataset) instead of running "
+                            "the target every step")
     train.add_argument("--num-layers", type=int, default=2)
     train.add_argument("--block-size", type=int, default=7)
     train.add_argument("--markov-rank", type=int, default=256)

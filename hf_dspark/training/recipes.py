@@ -114,7 +114,7 @@ def answer_token_counts(dataset, vocab_size: int) -> torch.Tensor:
 
 
 def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated: list[str], dataset_answers: int,
-                  cache: str | None = None, max_seconds: float | None = None, num_layers: int, block_size: int, markov_rank: int, draft_vocab_size: int | None,
+                  cache: str | list[str] | None = None, max_seconds: float | None = None, num_layers: int, block_size: int, markov_rank: int, draft_vocab_size: int | None,
                   target_layer_ids: list[int] | None, init_from_target: list[int] | None, max_length: int,
                   batch_size: int, num_anchors: int, learning_rate: float, max_steps: int, save_steps: int,
                   warmup_ratio: float, seed: int, resume: bool, loss_weights: dict | None = None,
@@ -131,7 +131,10 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
                                 draft_vocab_size=draft_vocab_size, target_layer_ids=target_layer_ids,
                                 qk_norm=qk_norm)
     if cache:
-        dataset = TargetCacheDataset(cache, layer_ids=drafter.config.target_layer_ids)
+        # Several folders train as one dataset: data regenerated later is cached on its own, never recached.
+        folders = [cache] if isinstance(cache, (str, Path)) else list(cache)
+        parts = [TargetCacheDataset(folder, layer_ids=drafter.config.target_layer_ids) for folder in folders]
+        dataset = ConcatDataset(parts) if len(parts) > 1 else parts[0]
     else:
         dataset = assemble_dataset(tokenizer, regenerated, dataset_answers, max_length)
     if draft_vocab_size:
