@@ -34,6 +34,28 @@ def test_generate_streams_and_compares_with_plain(saved_pair, capsys, monkeypatc
     assert list((tmp_path / "cost-tables").glob("*.json"))  # profiled once for the throughput schedule
 
 
+def test_a_cost_table_cached_by_older_timing_is_profiled_again(saved_pair, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_DSPARK_CACHE", str(tmp_path))
+    command = ["generate", "What is 2 + 2?", "--target", str(saved_pair / "target"), "--drafter",
+               str(saved_pair / "drafter"), "--max-new-tokens", "4"]
+    assert main(command) == 0
+    (path,) = (tmp_path / "cost-tables").glob("*.json")
+    current = json.loads(path.read_text())
+    assert current["description"]["timing"] == "round-robin medians"
+    stale = {**current, "seconds": [1.0] * len(current["seconds"]),
+             "description": {k: v for k, v in current["description"].items() if k != "timing"}}
+    path.write_text(json.dumps(stale))
+    assert main(command) == 0
+    assert "profiling verification costs once" in capsys.readouterr().err
+    again = json.loads(path.read_text())
+    assert again["description"]["timing"] == "round-robin medians" and again["seconds"] != stale["seconds"]
+    marked = {**again, "seconds": [2.0] * len(again["seconds"])}  # a current table is reused as it is
+    path.write_text(json.dumps(marked))
+    assert main(command) == 0
+    assert "profiling" not in capsys.readouterr().err
+    assert json.loads(path.read_text())["seconds"] == marked["seconds"]
+
+
 def test_generate_refuses_a_custom_target_without_drafter(saved_pair, capsys):
     assert main(["generate", "hi", "--target", str(saved_pair / "target")]) == 2
     assert "needs its --drafter" in capsys.readouterr().err

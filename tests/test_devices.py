@@ -297,14 +297,39 @@ def test_a_table_for_r_rows_times_forwards_of_r_rows(rows):
     assert table.max_tokens == max_tokens and all(s > 0 for s in table.seconds) and table.draft_seconds > 0
     assert table.description["rows"] == rows
     timed = [shape for shape in shapes if shape[1] != context]  # the rest are the prefills of the caches
-    expected = []
-    for n in range(1, max_tokens + 1):
-        batch = min(n, rows)
-        expected += [(batch, math.ceil(n / batch))] * (warmup + repeats)
+    sizes = [(min(n, rows), math.ceil(n / min(n, rows))) for n in range(1, max_tokens + 1)]
+    # Warm-ups size by size, then the timed repeats round-robin over the sizes.
+    expected = [shape for shape in sizes for _ in range(warmup)] + sizes * repeats
     assert timed == expected
     assert sorted({shape for shape in shapes if shape[1] == context}) == [(b, context) for b in range(1, rows + 1)]
     assert set(draft_shapes) == {(rows, drafter.config.block_size)}  # the drafter's round over R rows too
     assert verification_shape(9, 4) == (4, 3) and verification_shape(8, 4) == (4, 2) and verification_shape(2, 4) == (2, 1)
+
+
+def test_a_burst_of_other_load_does_not_bend_the_table(monkeypatch):
+    """Other work on the machine (a burst slowing a few consecutive forwards) must not inflate the sizes it meets:
+    the planner reads the table's shape. Timed round-robin, each size meets at most one slow repeat of five."""
+    from hf_dspark.scheduling import cost_table
+
+    target = tiny_target("llama")
+    clock = {"now": 0.0, "timed_calls": 0}
+    slow = range(20, 23)  # three consecutive timed forwards run 100x slower
+
+    def forward_cost(module, args, kwargs):
+        width = kwargs["input_ids"].shape[1]
+        if width == 16:  # the cache prefill
+            return
+        clock["timed_calls"] += 1
+        clock["now"] += (1.0 + width) * (100.0 if clock["timed_calls"] in slow else 1.0)
+
+    handle = target.register_forward_pre_hook(forward_cost, with_kwargs=True)
+    monkeypatch.setattr(cost_table, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock["now"])}))
+    try:
+        table = profile_verification_costs(target, max_tokens=6, context_length=16, repeats=5, warmup=1)
+    finally:
+        handle.remove()
+    assert clock["timed_calls"] == 6 * (1 + 5)
+    assert table.seconds == [1.0 + n for n in range(1, 7)]
 
 
 def test_rows_must_be_a_positive_count():

@@ -23,6 +23,7 @@ def cost_table_for(target, drafter, target_name: str):
     """Profile (once, cached on disk) what verifying 1..gamma+1 tokens costs here, for the throughput schedule."""
     from hf_dspark.models.default_target import cache_root
     from hf_dspark.scheduling import VerificationCostTable, profile_verification_costs
+    from hf_dspark.scheduling.cost_table import TIMING
 
     dtype = str(next(target.parameters()).dtype).replace("torch.", "")
     device = next(target.parameters()).device
@@ -30,7 +31,7 @@ def cost_table_for(target, drafter, target_name: str):
     path = cache_root() / "cost-tables" / f"{name}-{dtype}-{device.type}-{torch.get_num_threads()}threads.json"
     if path.is_file():
         table = VerificationCostTable.load(path)
-        if table.max_tokens >= drafter.config.block_size + 1:
+        if table.max_tokens >= drafter.config.block_size + 1 and table.description.get("timing") == TIMING:
             return table
     print(f"profiling verification costs once ({path})...", file=sys.stderr)
     table = profile_verification_costs(target, max_tokens=drafter.config.block_size + 1, drafter=drafter)

@@ -89,6 +89,10 @@ class VerificationCostTable:
         return cls(**json.loads(Path(path).read_text()))
 
 
+# How `profile_verification_costs` times (recorded in each table): tables cached by an older way are profiled again.
+TIMING = "round-robin medians"
+
+
 @torch.no_grad()
 def profile_verification_costs(target, max_tokens: int = 8, context_length: int = 256, repeats: int = 5,
                                drafter=None, warmup: int = 2, rows: int = 1) -> VerificationCostTable:
@@ -119,17 +123,22 @@ def profile_verification_costs(target, max_tokens: int = 8, context_length: int 
             caches[batch] = getattr(out, "cache", None) or out.past_key_values
         return caches[batch]
 
-    def timed(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
+    def timed(fns: list) -> list[float]:
+        """Median seconds of each function. The repeats go round-robin over the functions, so a burst of other
+        load on the machine lands on every size alike instead of inflating the few sizes it happened to meet:
+        the table's shape (how much more k tokens cost than one) is what the planner reads."""
+        for fn in fns:
+            for _ in range(warmup):
+                fn()
+        times = [[] for _ in fns]
         for _ in range(repeats):
-            _synchronize(devices)
-            start = time.perf_counter()
-            fn()
-            _synchronize(devices)
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
+            for fn, measured in zip(fns, times):
+                _synchronize(devices)
+                start = time.perf_counter()
+                fn()
+                _synchronize(devices)
+                measured.append(time.perf_counter() - start)
+        return [sorted(measured)[len(measured) // 2] for measured in times]
 
     def step(n: int):
         batch, width = verification_shape(n, rows)
@@ -140,14 +149,16 @@ def profile_verification_costs(target, max_tokens: int = 8, context_length: int 
             cache.crop(-width)
         return run
 
-    seconds = [timed(step(n)) for n in range(1, max_tokens + 1)]
-    draft_seconds = 0.0
+    runs = [step(n) for n in range(1, max_tokens + 1)]
     if drafter is not None:
         cache_for(rows)
-        draft_seconds = timed(_drafting_round(drafter, target, prefixes[rows]))
+        runs.append(_drafting_round(drafter, target, prefixes[rows]))
+    measured = timed(runs)
+    seconds, draft_seconds = measured[:max_tokens], (measured[max_tokens] if drafter is not None else 0.0)
     return VerificationCostTable(seconds, draft_seconds, {
         "device": str(device), "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
-        "context_length": context_length, "threads": torch.get_num_threads(), "repeats": repeats, "rows": rows})
+        "context_length": context_length, "threads": torch.get_num_threads(), "repeats": repeats, "rows": rows,
+        "timing": TIMING})
 
 
 def verification_shape(num_tokens: int, rows: int) -> tuple[int, int]:
