@@ -49,12 +49,15 @@ def test_planner_prices_plain_steps_suffix_proposals_and_the_drafter():
     planner = RoundPlanner(costs, has_confidences=True, statistics=statistics, probe_every=4)
     assert planner.choose([], 0) == ("drafter", 0)  # never measured: run it
     planner.record_drafter([0.3, 0.2])  # expected 1.36 tokens for 0.5 + 2.0 seconds: worse than a plain step
-    assert statistics.drafter_rate == pytest.approx(1.36 / 2.5)
+    assert planner.drafter_rate() == pytest.approx(1.36 / 2.5)
     assert planner.choose([], 0) == ("none", 0)
     # 7 tokens at 0.9 each: 1 + 0.9 + ... + 0.9^7 = 5.7 tokens for 2 seconds beats one token per second.
     assert planner.choose([4, 5, 6, 7, 8, 9, 10], 3) == ("suffix", 7)
     assert planner.choose([], 0) == ("none", 0)
     assert planner.choose([], 0) == ("drafter", 0)  # after three rounds without the drafter, probe it
+    planner.record_drafter([0.3, 0.2])  # the probe found the drafter still not paying: wait twice as long
+    assert [planner.choose([], 0)[0] for _ in range(8)] == ["none"] * 7 + ["drafter"]
+    assert statistics.probe_interval == 16
     statistics.suffix = SuffixAcceptance(prior_accepted=1, prior_rejected=9)  # rate 0.1: 1.11 tokens for 2 s
     assert planner.choose([4, 5], 1) == ("none", 0)
     flat = RoundPlanner(None, has_confidences=False, statistics=ProposalStatistics())
@@ -70,6 +73,7 @@ def test_suffix_drafting_and_planning_match_plain_greedy(kind, costs):
     drafter.suffix_drafting = True
     if costs is not None:
         drafter.verification_costs = VerificationCostTable(costs, draft_seconds=0.2)
+        drafter.learn_round_costs = False  # the table is the truth here, not what the tiny models cost
     sources, drafter_calls = [], []
     hook = drafter.register_forward_hook(lambda *args: drafter_calls.append(1))
     for ids in prompts(4):
@@ -110,3 +114,67 @@ def test_shipped_style_configs_turn_suffix_drafting_on(tmp_path):
     loaded = hf_dspark.DSparkDraftModel.from_pretrained(tmp_path)
     assert loaded.suffix_drafting is True
     assert tiny_drafter(target, "eagle3").suffix_drafting is False
+
+
+def test_planner_prices_rounds_with_the_costs_measured_in_the_loop():
+    # The table says drafting is nearly free and a 4-token forward costs 1.2 plain steps.
+    costs = VerificationCostTable([1.0, 1.2, 1.2, 1.2], draft_seconds=0.01)
+    statistics = ProposalStatistics()
+    planner = RoundPlanner(costs, has_confidences=True, statistics=statistics)
+    assert planner.forward_seconds(1) == pytest.approx(1.0) and planner.draft_seconds() == pytest.approx(0.01)
+    planner.record_drafter([0.4, 0.3, 0.2])  # 1.55 expected tokens for 0.01 + 1.2 s: beats a plain step
+    assert planner.choose([], 0) == ("drafter", 0)
+    # The first run of each size (and of the drafter) in a call may compile or warm caches: not counted.
+    planner.record_forward(1, 30.0)
+    planner.record_draft(30.0)
+    assert statistics.forward_seconds == {} and statistics.draft_seconds is None
+    # Measured here: plain steps cost 2 s (the machine is busier than when profiled), the drafter's pass 1.5 s.
+    planner.record_forward(1, 2.0)
+    planner.record_draft(1.5)
+    assert planner.forward_seconds(1) == pytest.approx(2.0) and planner.draft_seconds() == pytest.approx(1.5)
+    assert planner.forward_seconds(4) == pytest.approx(1.2 * 2.0)  # not run yet: the table's shape, measured level
+    planner.record_forward(4, 5.0)  # warm-up, ignored
+    planner.record_forward(4, 2.2)
+    planner.record_forward(4, 3.2)  # smoothed
+    assert planner.forward_seconds(4) == pytest.approx(2.2 + planner.cost_smoothing * 1.0)
+    estimate = planner.forward_seconds(4)
+    planner.record_forward(4, 1000.0)  # a burst of other load: clipped to twice the estimate
+    assert planner.forward_seconds(4) == pytest.approx(estimate * (1 + planner.cost_smoothing))
+    planner.record_forward(9, 50.0)  # beyond the table (a long proposal or a prefill): not a priced round size
+    assert 9 not in statistics.forward_seconds
+    planner.record_drafter([0.4, 0.3, 0.2])  # 1.55 tokens now cost 1.5 + about 3 s: a plain step pays more
+    assert planner.choose([], 0) == ("none", 0)
+    # Switched off, the table alone prices rounds.
+    table_only = RoundPlanner(costs, has_confidences=True, statistics=ProposalStatistics(), learn_costs=False)
+    for _ in range(3):
+        table_only.record_forward(1, 2.0)
+        table_only.record_draft(1.5)
+    assert table_only.statistics.forward_seconds == {} and table_only.draft_seconds() == pytest.approx(0.01)
+
+
+def test_a_drafter_slower_than_its_table_says_is_skipped_and_output_stays_exact():
+    """A table that underprices drafting (profiled elsewhere) would draft every round; timed in the loop, the
+    drafter's real cost (here slowed on purpose to 40 ms a pass, beside sub-millisecond target forwards) turns
+    most rounds into plain steps or suffix proposals, and greedy output is unchanged either way."""
+    import time
+
+    target = looping_target()
+    sources = {}
+    for learn in (False, True):
+        drafter = tiny_drafter(target, "markov", block_size=4)
+        drafter.suffix_drafting = False
+        drafter.verification_costs = VerificationCostTable([1e-3] * 5, draft_seconds=0.0)
+        drafter.learn_round_costs = learn
+        hook = drafter.register_forward_hook(lambda *args: time.sleep(0.04))
+        sources[learn] = []
+        for ids in prompts(2):
+            expected = target.generate(ids, do_sample=False, max_new_tokens=32)
+            assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=32),
+                               expected)
+            sources[learn] += drafter.last_generation_stats.sources
+        hook.remove()
+        if learn:
+            measured = drafter.proposal_statistics
+            assert measured.draft_seconds >= 0.04 and set(measured.forward_seconds) <= set(range(1, 6))
+    assert sources[False].count("drafter") > 0.8 * len(sources[False])
+    assert sources[True].count("drafter") < 0.3 * len(sources[True])

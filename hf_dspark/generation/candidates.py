@@ -59,7 +59,7 @@ class DraftCandidateGenerator(CandidateGenerator):
         if drafter.proposal_statistics is None:
             drafter.proposal_statistics = ProposalStatistics()  # kept on the drafter: later calls start from it
         self.planner = RoundPlanner(drafter.verification_costs, drafter_has_confidences(drafter),
-                                    drafter.proposal_statistics)
+                                    drafter.proposal_statistics, learn_costs=drafter.learn_round_costs)
 
     # -- our loop -------------------------------------------------------------------------------------------
 
@@ -90,7 +90,11 @@ class DraftCandidateGenerator(CandidateGenerator):
         features = torch.cat(self._pending, dim=1)
         self._pending = []
         self.context_length = self.observed_length
+        started = self.clock.now()
         drafts = self._draft(input_ids, features, budget)
+        if self.clock.enabled and features.shape[1] <= self.drafter.config.block_size + 1:
+            # A round's own cost (the first after the prompt also reads every prompt row, once per call).
+            self.planner.record_draft(self.clock.now() - started)
         self.planner.record_drafter(self._round_confidences)
         return drafts
 

@@ -193,7 +193,9 @@ def speculative_decoding(
             tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - real)], dim=-1)
         outputs, target_logits = runner.forward(tokens, keep=tokens.shape[1])
         target_logits = target_logits[:, :real]
-        clock.lap(stats, "verification", started)
+        finished_at = clock.lap(stats, "verification", started)
+        if clock.enabled:  # the planner prices later rounds with what forwards of this size cost here and now
+            generator.planner.record_forward(tokens.shape[1], finished_at - started)
 
     if streamer is not None:
         streamer.end()

@@ -363,6 +363,12 @@ class DraftPreTrainedModel(PreTrainedModel):
         as many tokens as maximise expected tokens per second (`ThroughputDraftLength`); at batch 1 each round
         also skips the drafter when, by the recent rounds, a plain step or a suffix proposal pays more
         (`RoundPlanner`)."""
+        self.learn_round_costs: bool = True
+        """Batch 1 with `verification_costs`: price each round with the target forwards and drafter passes timed
+        in this loop (per forward size, smoothed, kept in `proposal_statistics`), the table filling in sizes not run
+        yet. A table profiled once can be far off under other load, another context length, dtype or sampling
+        setting. Timing needs the phase clock (`time_phases`: always on the CPU). False prices rounds by the table
+        alone."""
         self.round_planning: bool = True
         """Batch 1: decide each round, before drafting and from earlier rounds only, whether the drafter's block, a
         suffix proposal (`suffix_drafting`) or no draft (a plain step, priced with `verification_costs`) promises

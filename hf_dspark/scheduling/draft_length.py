@@ -124,36 +124,101 @@ class RoundPlanner:
     * no draft (a plain decoding step): 1 token for a one-token forward;
     * a suffix proposal of m tokens (`SuffixIndex`): `SuffixAcceptance.expected_tokens(n, m)` for a forward over
       m + 1 tokens, with the best m up to the proposal's length;
-    * the drafter's block: the smoothed rate of its recent rounds, each its expected tokens (from its confidences,
+    * the drafter's block: the smoothed expected tokens of its recent rounds (from its confidences,
       1 + c_1 + c_1 c_2 + ... over the slots it verified, or its accepted count without a confidence head) over
-      the drafting cost plus a forward over those slots + 1.
+      the drafting cost plus a forward over their smoothed size (slots + 1).
 
-    Costs come from the `VerificationCostTable`; without one every forward costs the same and drafting nothing (a
-    GPU-like machine), so the drafter or a suffix proposal always beats a plain step. A drafter that has not run
-    for `probe_every` rounds runs once to refresh its estimate. Whatever is chosen, the verifier's rule keeps the
+    Costs come from the `VerificationCostTable`, corrected by what this loop measured (`record_forward`,
+    `record_draft`): a profile taken once under other load, context length or sampling settings can misprice a round
+    (in bfloat16 on a CPU the drafter's pass costs about twice what the table says), and a round that looks cheap
+    but is not makes the main job slower than plain decoding. Without a table every forward costs the same and
+    drafting nothing (a GPU-like machine), so the drafter or a suffix proposal always beats a plain step.
+
+    A drafter that has not run for `probe_every` rounds runs once to refresh its estimate; each probe that does not
+    win doubles the wait, up to `max_probe_every`, and a drafter chosen on its merits resets it. Whatever is chosen, the verifier's rule keeps the
     output exactly the target's: the choice depends on earlier rounds, never on this round's drafts. A proposal is
     preferred to a plain step only when it promises `margin` times its rate (estimates err; the plain step's cost
     is measured).
     """
 
     def __init__(self, cost_table: VerificationCostTable | None, has_confidences: bool, statistics: "ProposalStatistics",
-                 probe_every: int = 16, smoothing: float = 0.5, margin: float = 1.05):
+                 probe_every: int = 16, max_probe_every: int = 64, smoothing: float = 0.5, margin: float = 1.05,
+                 cost_smoothing: float = 0.3, learn_costs: bool = True):
         self.cost_table, self.has_confidences, self.statistics = cost_table, has_confidences, statistics
-        self.probe_every, self.smoothing, self.margin = probe_every, smoothing, margin
+        self.learn_costs = learn_costs
+        self._seen: set = set()  # forward sizes (and "draft") timed once in this call
+        self.probe_every, self.max_probe_every = probe_every, max(max_probe_every, probe_every)
+        self.smoothing, self.margin = smoothing, margin
+        self.cost_smoothing = cost_smoothing
+
+    def _tabled_forward_seconds(self, size: int) -> float:
+        return self.cost_table.round_seconds(size) - self.cost_table.draft_seconds
 
     def forward_seconds(self, num_tokens: int) -> float:
+        """Seconds of the target forward verifying `num_tokens` tokens (padded to the table's cheapest size): as
+        measured in this loop where that size ran, else the table's figure scaled by how the measured sizes
+        compare with theirs (the level moves with load and context length; the table keeps the shape)."""
         if self.cost_table is None:
             return 1.0
-        return self.cost_table.padded_round_seconds(num_tokens) - self.cost_table.draft_seconds
+        size = self.cost_table.padded_tokens(num_tokens)
+        measured = self.statistics.forward_seconds
+        if size in measured:
+            return measured[size]
+        tabled = self._tabled_forward_seconds(size)
+        if not measured:
+            return tabled
+        ratios = [seconds / self._tabled_forward_seconds(m) for m, seconds in measured.items()]
+        return tabled * sum(ratios) / len(ratios)
+
+    def draft_seconds(self) -> float:
+        """Seconds the drafter spends per round: measured when it has run, else the table's."""
+        if self.cost_table is None:
+            return 0.0
+        measured = self.statistics.draft_seconds
+        return self.cost_table.draft_seconds if measured is None else measured
 
     def round_rate(self, expected: float, num_tokens: int) -> float:
         """Expected tokens per second of a drafter round verifying `num_tokens` tokens."""
-        draft_seconds = self.cost_table.draft_seconds if self.cost_table is not None else 0.0
-        return expected / (draft_seconds + self.forward_seconds(num_tokens))
+        return expected / (self.draft_seconds() + self.forward_seconds(num_tokens))
+
+    def record_forward(self, num_tokens: int, seconds: float) -> None:
+        """A verification forward over `num_tokens` tokens (padding included) took `seconds` of wall time."""
+        if not self.learn_costs or self.cost_table is None or num_tokens > self.cost_table.max_tokens:
+            return  # flat costs are not priced; a prefill is not a round
+        if self._warmed_up(num_tokens):
+            measured = self.statistics.forward_seconds
+            measured[num_tokens] = self._smoothed(measured.get(num_tokens), seconds)
+
+    def record_draft(self, seconds: float) -> None:
+        """A drafter round's own pass (backbone, sequential head, sampling; Eagle3's steps) took `seconds`."""
+        if not self.learn_costs or self.cost_table is None:
+            return
+        if self._warmed_up("draft"):
+            statistics = self.statistics
+            statistics.draft_seconds = self._smoothed(statistics.draft_seconds, seconds)
+
+    def _warmed_up(self, kind) -> bool:
+        """False the first time a forward size (or the drafter) runs in this call: that run may compile a graph
+        or fill cold caches, seconds that later rounds do not pay."""
+        if kind in self._seen:
+            return True
+        self._seen.add(kind)
+        return False
+
+    def _smoothed(self, previous: float | None, seconds: float) -> float:
+        """Smooth a timing in, clipped to twice the estimate so far: a burst of other load or a collector pause
+        would otherwise price a size out, and a size that is never chosen is never timed again."""
+        if previous is None:
+            return seconds
+        return previous + self.cost_smoothing * (min(seconds, 2.0 * previous) - previous)
 
     def drafter_rate(self) -> float:
-        rate = self.statistics.drafter_rate
-        return float("inf") if rate is None else rate  # never measured: run it
+        """Expected tokens per second of the drafter's next round: its recent rounds' smoothed expected tokens and
+        size, priced at today's costs (measured ones included, so costs learnt since it last ran count too)."""
+        statistics = self.statistics
+        if statistics.drafter_expected is None:
+            return float("inf")  # never measured: run it
+        return self.round_rate(statistics.drafter_expected, max(1, round(statistics.drafter_tokens)))
 
     def choose(self, proposal: list[int], match_length: int) -> tuple[str, int]:
         """(DRAFTER | SUFFIX | NO_DRAFT, suffix tokens to verify)."""
@@ -166,8 +231,13 @@ class RoundPlanner:
             if rate > best:
                 best, source, length = rate, SUFFIX, m
         statistics = self.statistics
-        if self.drafter_rate() > best or statistics.rounds_without_drafter + 1 >= self.probe_every:
+        interval = statistics.probe_interval or self.probe_every
+        if self.drafter_rate() > best:
+            source, length, statistics.probe_interval = DRAFTER, 0, self.probe_every
+        elif statistics.rounds_without_drafter + 1 >= interval:
+            # A probe costs a round that does not pay; while probes keep finding that, probe half as often.
             source, length = DRAFTER, 0
+            statistics.probe_interval = min(2 * interval, self.max_probe_every)
         statistics.rounds_without_drafter = 0 if source == DRAFTER else statistics.rounds_without_drafter + 1
         return source, length
 
@@ -186,12 +256,13 @@ class RoundPlanner:
             self._smooth(1.0 + num_accepted, num_drafted + 1)
 
     def _smooth(self, expected: float, num_tokens: int) -> None:
-        """Smooth the rate of the drafter's rounds (each priced at its own size: the schedule varies it)."""
-        statistics, rate = self.statistics, self.round_rate(expected, num_tokens)
-        if statistics.drafter_rate is None:
-            statistics.drafter_rate = rate
+        """Smooth the expected tokens and the verified size of the drafter's rounds (the schedule varies it)."""
+        statistics = self.statistics
+        if statistics.drafter_expected is None:
+            statistics.drafter_expected, statistics.drafter_tokens = expected, float(num_tokens)
         else:
-            statistics.drafter_rate += self.smoothing * (rate - statistics.drafter_rate)
+            statistics.drafter_expected += self.smoothing * (expected - statistics.drafter_expected)
+            statistics.drafter_tokens += self.smoothing * (num_tokens - statistics.drafter_tokens)
 
 
 @dataclass
@@ -230,8 +301,14 @@ class SuffixAcceptance:
 class ProposalStatistics:
     """What earlier rounds taught about each proposer, kept on the drafter (`drafter.proposal_statistics`) so that
     later `generate()` calls start from it: suffix acceptance per match length, the drafter's smoothed expected
-    tokens per second, and the rounds since the drafter last ran (so short generations still probe it)."""
+    tokens and verified tokens per round, the rounds since the drafter last ran and the wait before its next probe
+    (so short generations still probe it), and the round costs measured so far (seconds per verification forward
+    size and of the drafter's pass, smoothed)."""
 
     suffix: SuffixAcceptance = field(default_factory=SuffixAcceptance)
-    drafter_rate: float | None = None
+    drafter_expected: float | None = None
+    drafter_tokens: float | None = None
     rounds_without_drafter: int = 0
+    probe_interval: int | None = None
+    forward_seconds: dict[int, float] = field(default_factory=dict)
+    draft_seconds: float | None = None
