@@ -135,10 +135,10 @@ class RoundPlanner:
     drafting nothing (a GPU-like machine), so the drafter or a suffix proposal always beats a plain step.
 
     A drafter that has not run for `probe_every` rounds runs once to refresh its estimate; each probe that does not
-    win doubles the wait, up to `max_probe_every`, and a drafter chosen on its merits resets it. Whatever is chosen, the verifier's rule keeps the
-    output exactly the target's: the choice depends on earlier rounds, never on this round's drafts. A proposal is
-    preferred to a plain step only when it promises `margin` times its rate (estimates err; the plain step's cost
-    is measured).
+    win doubles the wait, up to `max_probe_every`, and a drafter chosen on its merits resets it. Whatever is chosen,
+    the verifier's rule keeps the output exactly the target's: the choice depends on earlier rounds, never on this
+    round's drafts. A proposal is preferred to a plain step only when it promises `margin` times its rate
+    (estimates err; the plain step's cost is measured).
     """
 
     def __init__(self, cost_table: VerificationCostTable | None, has_confidences: bool, statistics: "ProposalStatistics",
@@ -218,7 +218,7 @@ class RoundPlanner:
         statistics = self.statistics
         if statistics.drafter_expected is None:
             return float("inf")  # never measured: run it
-        return self.round_rate(statistics.drafter_expected, max(1, round(statistics.drafter_tokens)))
+        return self.round_rate(statistics.drafter_expected, round(statistics.drafter_tokens))  # each round >= 1
 
     def choose(self, proposal: list[int], match_length: int) -> tuple[str, int]:
         """(DRAFTER | SUFFIX | NO_DRAFT, suffix tokens to verify)."""
