@@ -37,7 +37,7 @@ from hf_dspark.training.recipes import train_drafter
 SHIPPED_DSPARK = "hf_dspark/checkpoints/dspark-smollm2-135m-instruct"
 BASELINE = dict(kind="dspark", num_layers=2, block_size=7, markov_rank=256, draft_vocab_size=8192,
                 init_from_target=[28, 29], learning_rate=6e-4, loss_weights={}, on_policy=True,
-                init_markov_bigrams=False, init_from=None)
+                init_markov_bigrams=False, init_from=None, precondition_fusion=False)
 
 VARIANTS = {
     "baseline": {},
@@ -58,6 +58,13 @@ VARIANTS = {
     "continue-shipped-kl-heavy": {"init_from": SHIPPED_DSPARK, "init_from_target": None,
                                   "loss_weights": {"ce_weight": 0.1, "tv_weight": 0.0, "kl_weight": 0.9}},
     "continue-shipped-lr-1.2e-3": {"init_from": SHIPPED_DSPARK, "init_from_target": None, "learning_rate": 1.2e-3},
+    # The fused target features trained at one scale (`hf_dspark/training/precondition.py`), against the same
+    # recipe without it, from scratch (random layers, bigram Markov head) and continued from the shipped drafter.
+    "random-init-bigram": {"init_from_target": None, "init_markov_bigrams": True},
+    "random-init-bigram-preconditioned": {"init_from_target": None, "init_markov_bigrams": True,
+                                          "precondition_fusion": True},
+    "continue-shipped-preconditioned": {"init_from": SHIPPED_DSPARK, "init_from_target": None,
+                                        "precondition_fusion": True},
 }
 
 
@@ -144,6 +151,7 @@ def main() -> None:
             num_anchors=64, learning_rate=recipe["learning_rate"], max_steps=100_000, save_steps=25,
             warmup_ratio=0.0002, seed=0, resume=True, loss_weights=recipe["loss_weights"], qk_norm=True,
             init_markov_bigrams=recipe["init_markov_bigrams"], init_from=recipe["init_from"],
+            precondition_fusion=recipe["precondition_fusion"],
         )
         drafter = load_drafter(output / name, torch.float32)
         drafter.attach_target(target)

@@ -4,9 +4,9 @@
         --stage v5 --seconds 780 --output /work/runs
 
 Of the ablation's variants that a continued stage can use (the shipped DSpark drafter trained on, differing in
-loss and learning rate), the one with the highest held-out tau gives the loss weights and learning rate. DSpark,
-DFlash and Eagle3 then each continue their shipped checkpoint (`--init-from`, q/k norms added) for the same
-`--seconds` of training steps, one after the other with the same threads, from the same target cache. Each
+loss, learning rate and whether the fusion is preconditioned), the one with the highest held-out tau gives the
+recipe. DSpark, DFlash and Eagle3 then each continue their shipped checkpoint (`--init-from`, q/k norms added) for
+the same `--seconds` of training steps, one after the other with the same threads, from the same target cache. Each
 drafter keeps its own loss form where the variant's weights do not apply to it (DFlash has no confidence head;
 Eagle3 trains with soft cross-entropy per unrolled step). The commands are printed and written to
 `OUTPUT/STAGE/commands.json` for the model cards; a finished drafter is skipped on a rerun.
@@ -52,7 +52,8 @@ for kind in args.kinds:
                       "--output", str(stage_dir / kind), "--cache", *args.cache, "--batch-size", "4",
                       "--num-anchors", "64", "--learning-rate", f"{recipe['learning_rate']:g}", "--warmup-ratio",
                       "0.0002", "--max-steps", "100000", "--save-steps", "25", "--max-seconds", f"{args.seconds:g}",
-                      "--threads", str(args.threads), *loss_flags]
+                      "--threads", str(args.threads), *loss_flags,
+                      *([] if recipe.get("precondition_fusion", False) else ["--no-precondition-fusion"])]
 (stage_dir / "commands.json").write_text(json.dumps(
     {"recipe": best["variant"], "commands": {kind: shlex.join(c) for kind, c in commands.items()}}, indent=2))
 for kind, command in commands.items():

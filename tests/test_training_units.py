@@ -186,3 +186,85 @@ def test_markov_head_bigram_init_predicts_the_data_bigrams():
     bias = head.output(head.token_embedding(drafter.head_rows(previous)))
     predicted = drafter.draft_to_target[bias.argmax(-1)]
     assert predicted.tolist() == [successor[t] for t in range(10, 42)]
+
+
+def _fusion_features(target, drafter, ids):
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+    return torch.cat([hidden[i] for i in drafter.target_hidden_state_indices], dim=-1)
+
+
+def test_preconditioned_fusion_keeps_a_continued_drafters_function_and_saves_a_plain_drafter(tmp_path):
+    from hf_dspark.models import DSparkDraftModel
+    from hf_dspark.training.precondition import (
+        fold_context_preconditioning, fused_feature_scales, precondition_context_fusion,
+    )
+    from conftest import tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", target_layer_ids=[0, 1])
+    ids = torch.randint(0, target.config.vocab_size, (1, 12))
+    features = _fusion_features(target, drafter, ids)
+    before = drafter.fuse_context(features).detach()
+    names = set(drafter.state_dict())
+    examples = [{"input_ids": ids[0], "loss_mask": torch.ones(12)}]
+    scales = fused_feature_scales(examples, lambda e: _fusion_features(target, drafter, e["input_ids"][None])[0])
+    assert scales.shape == (drafter.fc.in_features,) and bool((scales > 0).all())
+    precondition_context_fusion(drafter, scales, fresh=False)
+    torch.testing.assert_close(drafter.fuse_context(features), before)
+    assert drafter.fc.parametrizations.weight.original.requires_grad
+    with pytest.raises(ValueError, match="already preconditioned"):
+        precondition_context_fusion(drafter, scales, fresh=False)
+
+    assert fold_context_preconditioning(drafter) and not fold_context_preconditioning(drafter)
+    assert set(drafter.state_dict()) == names  # the saved layout is the plain drafter's
+    torch.testing.assert_close(drafter.fuse_context(features), before)
+    drafter.save_pretrained(tmp_path / "folded")
+    reloaded = DSparkDraftModel.from_pretrained(tmp_path / "folded")
+    torch.testing.assert_close(reloaded.fc.weight, drafter.fc.weight)
+
+
+def test_feature_scales_ignore_attention_sink_rows():
+    from hf_dspark.training.precondition import fused_feature_scales
+
+    torch.manual_seed(0)
+    features = torch.randn(400, 6)
+    features[:, 2] = 500.0 + torch.randn(400)  # a massive-activation column, large on every token
+    features[:4] *= 1000.0  # a few sink tokens, huge in every column
+    examples = [{"loss_mask": torch.ones(100), "rows": features[i * 100 : (i + 1) * 100]} for i in range(4)]
+    scales = fused_feature_scales(examples, lambda example: example["rows"])
+    assert scales[2] == pytest.approx(500.0, rel=0.01)
+    others = scales[[0, 1, 3, 4, 5]]
+    assert bool((others > 0.5).all() and (others < 1.0).all())  # median |N(0, 1)| is 0.674; the sinks do not count
+
+
+def test_preconditioning_lets_small_features_train_beside_a_massive_one():
+    """Adam moves each weight by about the learning rate, so through a column 500x larger than the rest a step
+    changes the output 500x more: the raw fusion cannot fit what the small columns say; the preconditioned one can."""
+    from torch import nn
+    from hf_dspark.training.precondition import (
+        fold_context_preconditioning, fused_feature_scales, precondition_context_fusion,
+    )
+
+    torch.manual_seed(0)
+    inputs = torch.randn(512, 8)
+    inputs[:, 0] = 500.0 + torch.randn(512)  # carries nothing about the target
+    truth = inputs[:, 1:] @ torch.randn(7, 4)
+    examples = [{"loss_mask": torch.ones(512), "rows": inputs}]
+    losses = {}
+    for preconditioned in (False, True):
+        torch.manual_seed(1)
+        model = nn.Module()
+        model.fc = nn.Linear(8, 4, bias=False)
+        if preconditioned:
+            precondition_context_fusion(model, fused_feature_scales(examples, lambda e: e["rows"]), fresh=True)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for _ in range(300):
+            optimizer.zero_grad()
+            loss = (model.fc(inputs) - truth).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+        fold_context_preconditioning(model)
+        with torch.no_grad():
+            losses[preconditioned] = float((model.fc(inputs) - truth).pow(2).mean())
+    assert losses[True] < 0.1 * losses[False], losses

@@ -111,7 +111,7 @@ def cmd_train(args) -> int:
         num_anchors=args.num_anchors, learning_rate=args.learning_rate, max_steps=args.max_steps,
         save_steps=args.save_steps, warmup_ratio=args.warmup_ratio, max_seconds=args.max_seconds,
         init_context=args.init_context_from_target, init_markov_bigrams=args.init_markov_from_bigrams, seed=args.seed, resume=not args.no_resume,
-        init_from=args.init_from, qk_norm=not args.no_qk_norm,
+        init_from=args.init_from, qk_norm=not args.no_qk_norm, precondition_fusion=not args.no_precondition_fusion,
         loss_weights={k: v for k, v in {"ce_weight": args.ce_weight, "tv_weight": args.tv_weight,
                                         "bce_weight": args.bce_weight, "kl_weight": args.kl_weight}.items()
                       if v is not None},
@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-qk-norm", action="store_true",
                        help="no q/k norms in the drafter's attention (then vLLM/SGLang/llama.cpp cannot serve a "
                             "Llama-family drafter)")
+    train.add_argument("--no-precondition-fusion", action="store_true",
+                       help="train the context fusion on the raw target features (by default each fused feature "
+                            "trains at one scale; the saved drafter is the same kind either way)")
     train.add_argument("--max-length", type=int, default=768)
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--num-anchors", type=int, default=64)

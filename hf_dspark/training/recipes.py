@@ -16,6 +16,7 @@ from ..models.common import UserInputError, drafter_kind
 from ..models.loading import read_saved_config
 from .data import Decontaminator, answer_examples, sharegpt_path
 from .init import init_context_from_target, init_layers_from_target, init_markov_head_from_bigrams
+from .precondition import fold_context_preconditioning, fused_feature_scales, precondition_context_fusion
 from .budget import TimeBudgetCallback
 from .target_cache import TargetCacheDataset
 from .trainer import DSparkTrainer, RegeneratedDataset, most_frequent_tokens
@@ -113,13 +114,23 @@ def answer_token_counts(dataset, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+@torch.no_grad()
+def _fused_features(drafter, target, example) -> torch.Tensor:
+    """An example's concatenated target features, as `fc` reads them: from the cache, or from the target."""
+    if "target_features" in example:
+        return example["target_features"]
+    ids = torch.as_tensor(example["input_ids"], dtype=torch.long, device=target.device)[None]
+    out = target(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    return torch.cat([out.hidden_states[i][0] for i in drafter.target_hidden_state_indices], dim=-1).cpu()
+
+
 def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated: list[str], dataset_answers: int,
                   cache: str | list[str] | None = None, max_seconds: float | None = None, num_layers: int, block_size: int, markov_rank: int, draft_vocab_size: int | None,
                   target_layer_ids: list[int] | None, init_from_target: list[int] | None, max_length: int,
                   batch_size: int, num_anchors: int, learning_rate: float, max_steps: int, save_steps: int,
                   warmup_ratio: float, seed: int, resume: bool, loss_weights: dict | None = None,
                   init_context: bool = False, init_markov_bigrams: bool = False, init_from: str | None = None,
-                  qk_norm: bool = True) -> dict:
+                  qk_norm: bool = True, precondition_fusion: bool = True) -> dict:
     torch.manual_seed(seed)
     output = Path(output_dir)
     if init_from:
@@ -146,6 +157,9 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
             init_context_from_target(drafter, target, init_from_target[0])
     if init_markov_bigrams:
         init_markov_head_from_bigrams(drafter, dataset)
+    if precondition_fusion and not init_context:  # a fusion started as a target layer's output is already scaled
+        scales = fused_feature_scales(dataset, lambda example: _fused_features(drafter, target, example))
+        precondition_context_fusion(drafter, scales, fresh=init_from is None)
     warmup_steps = max(1, int(warmup_ratio * max_steps))
     checkpoints = sorted((output / "trainer").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
     has_checkpoint = resume and bool(checkpoints)
@@ -166,6 +180,7 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=True if has_checkpoint else None)
     seconds = time.perf_counter() - started
+    fold_context_preconditioning(drafter)
     drafter.save_pretrained(output)
     summary = {"kind": kind, "examples": len(dataset), "steps": trainer.state.global_step, "train_seconds": seconds,
                "budget_seconds": callbacks[0].elapsed if callbacks else None,
