@@ -199,6 +199,7 @@ def test_preconditioned_fusion_keeps_a_continued_drafters_function_and_saves_a_p
     from hf_dspark.training.precondition import (
         fold_context_preconditioning, fused_feature_scales, precondition_context_fusion,
     )
+    from hf_dspark.training.recipes import _fused_features
     from conftest import tiny_drafter, tiny_target
 
     target = tiny_target("llama")
@@ -209,6 +210,8 @@ def test_preconditioned_fusion_keeps_a_continued_drafters_function_and_saves_a_p
     names = set(drafter.state_dict())
     examples = [{"input_ids": ids[0], "loss_mask": torch.ones(12)}]
     scales = fused_feature_scales(examples, lambda e: _fusion_features(target, drafter, e["input_ids"][None])[0])
+    # Without a target cache, training reads the same features from the target itself.
+    torch.testing.assert_close(_fused_features(drafter, target, examples[0]), features[0])
     assert scales.shape == (drafter.fc.in_features,) and bool((scales > 0).all())
     precondition_context_fusion(drafter, scales, fresh=False)
     torch.testing.assert_close(drafter.fuse_context(features), before)

@@ -19,7 +19,7 @@ from .init import init_context_from_target, init_layers_from_target, init_markov
 from .precondition import fold_context_preconditioning, fused_feature_scales, precondition_context_fusion
 from .budget import TimeBudgetCallback
 from .target_cache import TargetCacheDataset
-from .trainer import DSparkTrainer, RegeneratedDataset, most_frequent_tokens
+from .trainer import DSparkTrainer, RegeneratedDataset, frozen_target_states, most_frequent_tokens
 
 
 class ExampleList(torch.utils.data.Dataset):
@@ -114,14 +114,14 @@ def answer_token_counts(dataset, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-@torch.no_grad()
 def _fused_features(drafter, target, example) -> torch.Tensor:
     """An example's concatenated target features, as `fc` reads them: from the cache, or from the target."""
     if "target_features" in example:
         return example["target_features"]
     ids = torch.as_tensor(example["input_ids"], dtype=torch.long, device=target.device)[None]
-    out = target(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
-    return torch.cat([out.hidden_states[i][0] for i in drafter.target_hidden_state_indices], dim=-1).cpu()
+    features, _ = frozen_target_states(target, ids, None, drafter.target_hidden_state_indices,
+                                       target.config.get_text_config().num_hidden_layers)
+    return features[0].cpu()
 
 
 def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated: list[str], dataset_answers: int,

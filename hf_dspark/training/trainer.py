@@ -23,6 +23,16 @@ from .losses import TargetDistribution, dspark_loss, l1_distance, position_weigh
 from .regenerate import iter_regenerated
 
 
+@torch.no_grad()
+def frozen_target_states(target, input_ids, attention_mask, feature_indices: list[int], final_index: int):
+    """One forward of the frozen target: (its hidden states at `feature_indices` (HF `hidden_states` indices)
+    concatenated on the last axis, the hidden state at `final_index`). Only those states are kept, and logits for
+    one row."""
+    out = target(input_ids=input_ids, attention_mask=attention_mask,
+                 output_hidden_states=list(feature_indices) + [final_index], use_cache=False, logits_to_keep=1)
+    return torch.cat([out.hidden_states[i] for i in feature_indices], dim=-1), out.hidden_states[final_index]
+
+
 class DraftDataCollator:
     """Right-pads `input_ids` / `loss_mask` examples into a batch with an attention mask; cached `target_*`
     tensors (from a `TargetCacheDataset`) are padded with zeros alongside."""
@@ -147,11 +157,8 @@ class DSparkTrainer(Trainer):
             return inputs["target_features"], inputs["target_final"]
         if self.target is None:
             raise ValueError("this batch has no cached target outputs and the trainer has no target")
-        out = self.target(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                          output_hidden_states=self.target_layers + [self.final_layer], use_cache=False,
-                          logits_to_keep=1)
-        features = torch.cat([out.hidden_states[i] for i in self.target_layers], dim=-1)
-        return features, out.hidden_states[self.final_layer]
+        return frozen_target_states(self.target, inputs["input_ids"], inputs["attention_mask"], self.target_layers,
+                                    self.final_layer)
 
     @torch.no_grad()
     def target_distribution(self, drafter, inputs: dict, final: torch.Tensor, rows: torch.Tensor,
