@@ -106,7 +106,7 @@ def plain_batched(target, tokenizer, batch, plain_alone) -> dict:
 
 
 def engine_run(target, drafter, batch, name, policy, policy_arg, plain_alone) -> dict:
-    engine = SpeculativeEngine(target, drafter, policy, policy_arg)
+    engine = SpeculativeEngine(target, drafter, policy, policy_arg, keep_stats=True)
     ids = [engine.submit(prompt, args.max_new_tokens) for prompt in batch]
     finished_at, outputs = {}, {}
     started = time.perf_counter()

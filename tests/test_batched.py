@@ -257,7 +257,7 @@ def test_engine_requests_joining_late_match_plain_greedy(monkeypatch, kind, orac
     references = [target.generate(p, do_sample=False, max_new_tokens=24)[0] for p in prompt_list]
     if oracle:  # drafts the target accepts 0..4 of, so the rows' holes differ when newcomers join
         use_oracle(monkeypatch, references, block_size=4)
-    engine = batched.SpeculativeEngine(target, drafter, policy="all")
+    engine = batched.SpeculativeEngine(target, drafter, policy="all", keep_stats=True)
     outputs = run_staggered(engine, prompt_list, arrivals, max_new)
     assert sorted(outputs) == list(range(len(prompt_list)))
     for index, prompt in enumerate(prompt_list):
@@ -304,6 +304,33 @@ def test_engine_takes_the_drafter_policy_and_resets_the_scheduler():
     for index, expected in enumerate(plain_greedy(target, prompt_list)):
         assert torch.equal(outputs[index], expected)
     assert len(engine.verified_tokens_per_round) > 2  # the stored-confidence rounds ran
+
+
+def test_engine_releases_each_request_statistics_with_its_output():
+    """A long-running engine must not keep every request's statistics: they leave with the output (step, cancel,
+    run_until_done), readable in `returned_stats` until the next call; `keep_stats=True` keeps them all."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    prompt_list = prompts(4)
+    engine = batched.SpeculativeEngine(target, drafter, policy="all")
+    served = 0
+    for _ in range(3):  # waves of requests, as a server sees them
+        ids = [engine.submit(prompt[0], MAX_NEW) for prompt in prompt_list[:3]]
+        cancelled = engine.submit(prompt_list[3][0], MAX_NEW)
+        engine.step()
+        engine.cancel(cancelled)
+        assert list(engine.returned_stats) == [cancelled] and cancelled not in engine.stats
+        outputs = engine.run_until_done()
+        served += 4
+        assert set(outputs) == set(ids) == set(engine.returned_stats)
+        assert engine.stats == {}, f"{len(engine.stats)} finished requests still held after {served} served"
+        for request_id in ids:
+            rounds = engine.returned_stats[request_id]
+            assert rounds.num_rounds >= 1 and sum(rounds.accepted) + rounds.num_rounds >= MAX_NEW - 1
+    keeping = batched.SpeculativeEngine(target, drafter, policy="all", keep_stats=True)
+    kept = [keeping.submit(prompt[0], MAX_NEW) for prompt in prompt_list]
+    keeping.run_until_done()
+    assert set(keeping.stats) == set(kept)
 
 
 def test_two_steps_ago_skips_drafting_while_the_known_budget_is_zero():

@@ -335,3 +335,41 @@ def test_a_burst_of_other_load_does_not_bend_the_table(monkeypatch):
 def test_rows_must_be_a_positive_count():
     with pytest.raises(ValueError, match="rows must be an int >= 1"):
         profile_verification_costs(tiny_target("llama"), max_tokens=2, context_length=4, rows=0)
+
+
+def test_a_drafter_keeps_its_own_precision_after_drafting_for_a_bfloat16_target(saved_drafter):
+    """Following a bfloat16 target casts for the call only: afterwards, and beside a float32 target, the drafter's
+    weights are its own float32 ones bit for bit, and it drafts exactly as a freshly loaded one."""
+    from hf_dspark.generation.batched import SpeculativeEngine
+
+    fresh = load_drafter(saved_drafter, torch.float32)
+    original = {name: value.clone() for name, value in fresh.state_dict().items()}
+    drafter = load_drafter(saved_drafter, torch.float32)
+    target = tiny_target("llama")
+    low = tiny_target("llama").to(torch.bfloat16)
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7]])
+    low.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=6)
+    assert drafter.dtype == torch.float32
+    for name, value in drafter.state_dict().items():
+        assert value.dtype == original[name].dtype and torch.equal(value, original[name]), name
+    # A long-lived engine keeps the drafter cast while it runs; the next float32 use starts from the originals.
+    SpeculativeEngine(low, drafter)
+    assert drafter.dtype == torch.bfloat16
+    expected = target.generate(ids, assistant_model=fresh, do_sample=False, max_new_tokens=12)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12), expected)
+    fresh.attach_target(target)
+    assert torch.equal(draft_logits(drafter), draft_logits(fresh))
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(value, original[name]), name
+
+
+def test_weights_changed_after_following_are_kept(saved_drafter):
+    """What the user did to the cast weights (training, loading, editing) wins over the kept originals."""
+    drafter = load_drafter(saved_drafter, torch.float32)
+    drafter.attach_target(tiny_target("llama").to(torch.bfloat16), follow=True)
+    weight = next(drafter.parameters())
+    with torch.no_grad():
+        weight.add_(1.0)
+    edited = weight.detach().clone()
+    assert not drafter.restore_own_precision()
+    assert torch.equal(next(drafter.parameters()), edited) and edited.dtype == torch.bfloat16

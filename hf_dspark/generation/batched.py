@@ -315,14 +315,19 @@ class SpeculativeEngine:
             `batched_speculative_generate`. `None` takes the drafter's own `verification_policy`
             (`resolve_verification_policy`). A stateful scheduler is `reset()` whenever the batch starts empty.
         generator: random source for drafting and acceptance (sampled requests only).
+        keep_stats: keep every request's statistics in `stats` after its output is returned (a long-running
+            server would grow without bound; by default they leave with the output, see `returned_stats`).
 
     Attributes:
-        stats: per request id, its `SpeculativeStats` (one entry per round it took part in).
+        stats: per request id, its `SpeculativeStats` (one entry per round it took part in), for the requests still
+            waiting or running (and, with `keep_stats`, every request since the engine started).
+        returned_stats: the `SpeculativeStats` of the requests whose outputs the latest `step()`, `cancel()` or
+            `run_until_done()` returned (replaced by the next such call).
         verified_tokens_per_round: per round, sum over running requests of k_r + 1 (the verification batch B).
     """
 
     def __init__(self, target, drafter: DSparkDraftModel, policy: str | None = None, policy_arg=None, *,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, keep_stats: bool = False):
         if policy is None and drafter_type(drafter) == BLOCK_DRAFTER_TYPE:
             policy, policy_arg = resolve_verification_policy(drafter)
         self.rule = _check_engine(target, drafter, policy, policy_arg)
@@ -334,6 +339,8 @@ class SpeculativeEngine:
         self.gamma = self.rule.max_slots(min(drafter.draft_length(), drafter.config.block_size))
         self._sampling: tuple[list[int], RowSampling] | None = None  # the current rows' settings, built once
         self.stats: dict[int, SpeculativeStats] = {}
+        self.keep_stats = keep_stats
+        self.returned_stats: dict[int, SpeculativeStats] = {}
         self.verified_tokens_per_round: list[int] = []
         self._requests: dict[int, _Request] = {}
         self._waiting: list[int] = []
@@ -413,6 +420,7 @@ class SpeculativeEngine:
                     "Fix the cause or cancel(request_id) the offending request, then step again."
                 )
             raise
+        self.returned_stats = {}
         return {request_id: self._pop_output(request_id) for request_id in finished}
 
     def cancel(self, request_id: int) -> torch.LongTensor:
@@ -420,6 +428,7 @@ class SpeculativeEngine:
         The other requests are unaffected."""
         if request_id not in self._requests:
             raise KeyError(f"no request {request_id} is waiting or running (finished ones were already returned).")
+        self.returned_stats = {}
         if request_id in self._waiting:
             self._waiting.remove(request_id)
         elif self._rows is not None:
@@ -435,8 +444,11 @@ class SpeculativeEngine:
         """Step until no request is waiting or running; returns the outputs of the requests that finished during
         this call (those returned by earlier `step()` calls are not repeated)."""
         outputs: dict[int, torch.LongTensor] = {}
+        returned: dict[int, SpeculativeStats] = {}
         while self._waiting or self.num_running:
             outputs.update(self.step())
+            returned.update(self.returned_stats)
+        self.returned_stats = returned
         return outputs
 
     # -- internals ------------------------------------------------------------------------------------------------
@@ -483,7 +495,9 @@ class SpeculativeEngine:
         return self._sampling[1]
 
     def _pop_output(self, request_id: int) -> torch.LongTensor:
+        """The request's tokens, leaving the engine; its statistics go with them (`returned_stats`)."""
         request = self._requests.pop(request_id)
+        self.returned_stats[request_id] = self.stats[request_id] if self.keep_stats else self.stats.pop(request_id)
         return torch.tensor(request.tokens, dtype=torch.long, device=self.device)
 
     def _admit_waiting(self) -> list[int]:
@@ -622,6 +636,6 @@ def batched_speculative_generate(
     outputs = engine.run_until_done()
     return BatchedOutput(
         sequences=[outputs[r].to(input_ids.device) for r in request_ids],
-        stats=[engine.stats[r] for r in request_ids],
+        stats=[engine.returned_stats[r] for r in request_ids],
         verified_tokens_per_round=engine.verified_tokens_per_round,
     )

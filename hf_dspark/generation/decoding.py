@@ -26,7 +26,7 @@ from transformers import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..models.common import BLOCK_DRAFTER_TYPE, DraftPreTrainedModel, drafter_type
+from ..models.common import BLOCK_DRAFTER_TYPE, DraftPreTrainedModel, UserInputError, drafter_type
 from ..scheduling.draft_length import resolve_verification_policy
 from .batched import BatchedOutput, SpeculativeEngine, check_left_padded
 from .candidates import candidate_generator_for
@@ -72,11 +72,30 @@ def _check_request(target, input_ids, generation_config: GenerationConfig, model
         )
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
-        raise ValueError(
-            "The prompt's attention_mask contains padding. A single prompt needs no padding: tokenize it "
-            "without padding (or strip the padded positions) before calling generate()."
-        )
+        raise UserInputError(_masked_prompt_message(input_ids, mask, generation_config))
     _check_cache_and_inputs(model_kwargs)
+
+
+def _masked_prompt_message(input_ids, mask, generation_config: GenerationConfig) -> str:
+    """Why a single prompt arrived with masked positions, and the fix. When no attention_mask is passed, stock
+    generate() infers one that masks every position holding the pad token id, so a pad id inside the text (a
+    tokenizer whose pad is a real token, or ids built by hand) ends up here although the user passed no mask."""
+    masked = (mask[0] == 0).nonzero().flatten().tolist()
+    shown = ", ".join(map(str, masked[:8])) + (", ..." if len(masked) > 8 else "")
+    where = f"position{'s' if len(masked) > 1 else ''} {shown}"
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    pad = int(pad.flatten()[0]) if pad is not None else generation_config.pad_token_id
+    if pad is not None and bool((input_ids[0, masked] == pad).all()):
+        return (
+            f"The prompt holds the pad token id {pad} at {where}, and the attention_mask masks exactly those: "
+            "without an attention_mask, generate() infers one from the pad id. hf_dspark decodes one prompt without "
+            "masked positions. If they are part of the text, pass attention_mask=torch.ones_like(input_ids); if they "
+            "are padding, strip them from input_ids before calling generate()."
+        )
+    return (
+        f"The prompt's attention_mask masks {where}. A single prompt needs no padding: tokenize it without padding "
+        "(or strip the masked positions) before calling generate(), or pass a batch of left-padded prompts."
+    )
 
 
 class _HostStoppingRule:
@@ -106,6 +125,31 @@ class _HostStoppingRule:
         return len(tokens), False
 
 
+def _append_until_stop(sequence, new_tokens, emitted: list[int], stop_rule, stopping_criteria, processed,
+                       target_logits, scores, raw_logits):
+    """Append a round's `emitted` tokens to `sequence` up to where plain decoding would stop, with their processed
+    scores and raw logits when those are collected (`scores` / `raw_logits` not None). Returns (sequence, how many
+    were appended, whether generation ends there, scores, raw_logits)."""
+    if stop_rule is not None:
+        count, finished = stop_rule.first_stop(emitted, sequence.shape[1])
+        sequence = torch.cat([sequence, new_tokens[:, :count]], dim=-1)
+        if scores is not None:
+            scores += tuple(processed[:, j] for j in range(count))
+        if raw_logits is not None:
+            raw_logits += tuple(target_logits[:, j] for j in range(count))
+        return sequence, count, finished, scores, raw_logits
+    # A criterion of the user's: it sees every token and its score, as in plain decoding.
+    for j in range(len(emitted)):
+        sequence = torch.cat([sequence, new_tokens[:, j : j + 1]], dim=-1)
+        if scores is not None:
+            scores += (processed[:, j],)
+        if raw_logits is not None:
+            raw_logits += (target_logits[:, j],)
+        if bool(stopping_criteria(sequence, scores).all()):
+            return sequence, j + 1, True, scores, raw_logits
+    return sequence, len(emitted), False, scores, raw_logits
+
+
 @torch.no_grad()
 def speculative_decoding(
     target,
@@ -117,13 +161,26 @@ def speculative_decoding(
     streamer=None,
     **model_kwargs,
 ):
-    if input_ids.shape[0] != 1:
-        return batched_speculative_decoding(
-            target, input_ids, logits_processor, stopping_criteria, generation_config, drafter, streamer,
-            **model_kwargs,
-        )
-    _check_request(target, input_ids, generation_config, model_kwargs)
+    """What both generate() routes run: one prompt through the batch-1 loop, several through the batched engine.
+    The drafter follows its target's device and dtype for the call; its own weights come back when it returns.
+
+    `generate`'s logits processors are called once per scored position: every draft slot and every verification
+    slot, with that slot's context (prompt, text so far, the drafts before it), including positions that are later
+    rejected. Processors that read only their arguments (all of `generate`'s own but those in
+    `STATEFUL_PROCESSORS`, which are refused) give plain `generate`'s output; a user processor must do the same,
+    keeping no state across calls."""
     check_sampling_processors(logits_processor)  # the batched engine's rules, so both paths refuse alike
+    decode = _decode_one_prompt if input_ids.shape[0] == 1 else batched_speculative_decoding
+    try:
+        return decode(target, input_ids, logits_processor, stopping_criteria, generation_config, drafter, streamer,
+                      **model_kwargs)
+    finally:
+        drafter.restore_own_precision()
+
+
+def _decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, generation_config, drafter,
+                       streamer=None, **model_kwargs):
+    _check_request(target, input_ids, generation_config, model_kwargs)
     drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
     generator = candidate_generator_for(drafter, logits_processor, generation_config)
     sampling, clock, stats = generator.sampling, generator.clock, generator.stats
@@ -155,25 +212,8 @@ def speculative_decoding(
             generator.record_round(accepted, drafted)
         is_prefill = False
 
-        if stop_rule is not None:
-            count, finished = stop_rule.first_stop(emitted, sequence.shape[1])
-            sequence = torch.cat([sequence, new_tokens[:, :count]], dim=-1)
-            if want_scores:
-                scores += tuple(processed[:, j] for j in range(count))
-            if want_logits:
-                raw_logits += tuple(target_logits[:, j] for j in range(count))
-        else:  # a criterion of the user's: it sees every token and its score, as in plain decoding
-            count, finished = 0, False
-            for j in range(len(emitted)):
-                sequence = torch.cat([sequence, new_tokens[:, j : j + 1]], dim=-1)
-                count += 1
-                if want_scores:
-                    scores += (processed[:, j],)
-                if want_logits:
-                    raw_logits += (target_logits[:, j],)
-                if bool(stopping_criteria(sequence, scores).all()):
-                    finished = True
-                    break
+        sequence, count, finished, scores, raw_logits = _append_until_stop(
+            sequence, new_tokens, emitted, stop_rule, stopping_criteria, processed, target_logits, scores, raw_logits)
         if streamer is not None:
             streamer.put(new_tokens[:, :count].cpu())
         # The cache holds every position but the newest token, as after plain decoding.
@@ -357,7 +397,7 @@ def batched_speculative_decoding(
                    for row in range(input_ids.shape[0])]
     outputs = engine.run_until_done()
     sequences = [outputs[r].to(input_ids.device) for r in request_ids]
-    stats = [engine.stats[r] for r in request_ids]
+    stats = [engine.returned_stats[r] for r in request_ids]
     drafter.last_batch_output = BatchedOutput(sequences, stats, engine.verified_tokens_per_round)
     drafter.last_generation_stats = functools.reduce(SpeculativeStats.merge, stats, SpeculativeStats())
 

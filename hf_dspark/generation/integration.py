@@ -23,7 +23,6 @@ import warnings
 from typing import Callable
 
 import transformers
-from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerationMixin
 
 from .._version import __version__
@@ -141,6 +140,32 @@ def _raise_if_loop_unsupported(model) -> None:
         raise TransformersCompatibilityError(incompatibility_message(problems, custom_generate_works=False))
 
 
+def _other_decoding_options(config) -> list[str]:
+    """The options of `config` that ask stock generate() for another decoding method than greedy search or sampling
+    (beams, contrastive search, DoLa, constraints), or for another candidate source than the assistant."""
+    found = [f"num_beams={config.num_beams}"] if (config.num_beams or 1) > 1 else []
+    found += [f"num_beam_groups={config.num_beam_groups}"] if (config.num_beam_groups or 1) > 1 else []
+    found += [f"{name}={getattr(config, name)!r}" for name in ("constraints", "force_words_ids", "dola_layers",
+                                                               "prompt_lookup_num_tokens", "assistant_early_exit")
+              if getattr(config, name, None) is not None]
+    found += [f"penalty_alpha={config.penalty_alpha}"] if (config.penalty_alpha or 0) > 0 else []
+    found += ["use_mtp=True"] if getattr(config, "use_mtp", False) else []
+    return found
+
+
+def _refuse_other_decoding_methods(generation_config) -> None:
+    """Refuse, before any token, what stock generate() would otherwise settle with a warning only: with beams or
+    contrastive search it drops the drafter, with DoLa / prompt lookup / early exit beside an assistant it drops the
+    option. Either way the output would not be what the call asked for."""
+    found = _other_decoding_options(generation_config)
+    if found:
+        raise UserInputError(
+            f"{', '.join(found)} cannot be combined with an hf_dspark drafter: hf_dspark decodes greedily or by "
+            "sampling with its own drafts, and stock generate() would silently drop either the drafter or these "
+            "options. Unset them, or call generate() without assistant_model / custom_generate to use them."
+        )
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Route 1: generate(..., assistant_model=<hf_dspark drafter>)
 # ------------------------------------------------------------------------------------------------------------------
@@ -150,6 +175,7 @@ def _routing_validate_generation_mode(original: Callable) -> Callable:
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         drafter = as_drafter(generation_mode_kwargs.get("assistant_model"))
         if drafter is not None:
+            _refuse_other_decoding_methods(generation_config)
             # Our own message comes first: stock validation would blame the tokenizer for any vocab mismatch.
             drafter.check_compatible(self.config)
         return original(self, generation_mode, generation_config, generation_mode_kwargs)
@@ -290,13 +316,7 @@ def _install(mixin: type, name: str, original: Callable, wrapper: Callable) -> N
 def _check_custom_generate_request(model, drafter: DraftPreTrainedModel, generation_config) -> None:
     """What stock generate() checks before assisted decoding, which it skips for a callable custom_generate (it then
     validates greedy or sampling, not assisted generation): the same refusals, so both routes accept the same calls."""
-    mode = generation_config.get_generation_mode(drafter)
-    if mode != GenerationMode.ASSISTED_GENERATION:
-        raise UserInputError(
-            f"custom_generate_for(drafter) decodes greedily or by sampling, but this generate() call asks for "
-            f"{mode.value} (num_beams={generation_config.num_beams}). Drop num_beams / num_beam_groups / "
-            "penalty_alpha / constraints / force_words_ids, or call generate() without custom_generate."
-        )
+    _refuse_other_decoding_methods(generation_config)
     if generation_config.num_return_sequences > 1:
         raise UserInputError(
             f"custom_generate_for(drafter) returns one sequence per prompt, but num_return_sequences="

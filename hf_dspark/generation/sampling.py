@@ -25,6 +25,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from ..models.common import UserInputError
 from .verification import sample
 
 # Processors whose output depends on the scores alone: one call covers every slot of a block.
@@ -41,10 +42,32 @@ def check_top_p(top_p: float) -> None:
         )
 
 
+# Processors `generate` builds that keep state across calls, each with the option that builds it and what the state
+# is. The loop calls a processor once per scored position (draft and verification slots, some later rejected), not
+# once per emitted token, so such state would run out of step with the text and change the output silently.
+STATEFUL_PROCESSORS = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": (
+        "`guidance_scale`", "it runs the target on the unconditional prompt with a KV cache of its own, one position "
+        "per call, which rejected drafts would advance"),
+    "SynthIDTextWatermarkLogitsProcessor": (
+        "`watermarking_config` (SynthID)", "it keeps the watermarking context and a history of the n-grams it has "
+        "scored, one entry per call, which rejected drafts would advance"),
+}
+
+
 def check_sampling_processors(logits_processor) -> None:
     """What `generate` built from its options, held to the rules the batched engine applies (`check_top_p`), so
-    one prompt and a batch accept and refuse the same settings."""
+    one prompt and a batch accept and refuse the same settings; processors that keep state across calls
+    (`STATEFUL_PROCESSORS`) are refused at every batch size, before any token."""
     for processor in logits_processor or ():
+        name = type(processor).__name__
+        if name in STATEFUL_PROCESSORS:
+            option, why = STATEFUL_PROCESSORS[name]
+            raise UserInputError(
+                f"{option} cannot be combined with an hf_dspark drafter: {name} keeps state across calls ({why}), "
+                f"so speculative decoding would not reproduce plain generate()'s output. Unset {option}, or call "
+                "generate() without assistant_model / custom_generate for it."
+            )
         if isinstance(processor, TopPLogitsWarper):
             check_top_p(float(processor.top_p))
 

@@ -352,6 +352,7 @@ class DraftPreTrainedModel(PreTrainedModel):
     def __init__(self, config: PreTrainedConfig):
         super().__init__(config)
         self._target_heads: _TargetHeads | None = None
+        self._precision_stash: list[tuple] | None = None  # the weights a dtype-following cast replaced
         self.confidence_threshold: float | None = None
         """Optional static threshold t (confidence-headed drafters): drafting stops at the first slot j whose
         survival c_1 ... c_j falls below t, or, with `confidence_threshold_rule = "per_slot"` (DeepSpec's meaning),
@@ -565,7 +566,9 @@ class DraftPreTrainedModel(PreTrainedModel):
                 goes with the LM head; its token embeddings come back from the embedding's device, and the target's
                 features must be moved to `drafter.device`), and casts it to the target's dtype when that is a
                 dtype it can run in (float16, bfloat16, float32, float64): a float32 drafter drafts for a bfloat16
-                target in bfloat16, as if it had been loaded with `dtype=torch.bfloat16`. A drafter whose weights
+                target in bfloat16, as if it had been loaded with `dtype=torch.bfloat16`. The weights it replaces are
+                kept: `restore_own_precision()` (which generate() calls when it returns, and the next following
+                attach does first) brings the drafter's own back bit for bit. A drafter whose weights
                 are not loaded (meta) or that is spread over several devices cannot follow and is refused, as is
                 a target whose LM head is offloaded. False, the default and what training passes, changes nothing
                 on the drafter: a float32 drafter being trained stays float32 beside a bfloat16 target, and one on
@@ -623,6 +626,7 @@ class DraftPreTrainedModel(PreTrainedModel):
                 f"the drafter is spread over {', '.join(sorted(spread))} by a device_map, but a drafter runs whole "
                 f"beside its target's LM head ({head_device}); load it without device_map and generation moves it."
             )
+        self.restore_own_precision()  # a cast for an earlier target starts again from the drafter's own weights
         if any(param.device != head_device for param in self.parameters()):
             self.to(head_device)
         dtype = target.dtype
@@ -630,17 +634,46 @@ class DraftPreTrainedModel(PreTrainedModel):
             self._cast_floating_weights(dtype)
 
     def _cast_floating_weights(self, dtype: torch.dtype) -> None:
-        """Cast floating parameters and saved buffers to ``dtype`` in place. Buffers no checkpoint holds (rotary
-        inverse frequencies, computed in float32 at init) keep their precision, as `from_pretrained(dtype=...)`
-        leaves them, so a drafter cast here drafts exactly as one loaded in ``dtype``."""
+        """Cast floating parameters and saved buffers to ``dtype``, keeping the tensors they replace so that
+        `restore_own_precision` brings back the drafter's own weights bit for bit. Buffers no checkpoint holds
+        (rotary inverse frequencies, computed in float32 at init) keep their precision, as
+        `from_pretrained(dtype=...)` leaves them, so a drafter cast here drafts exactly as one loaded in ``dtype``."""
+        stash = []
         for module in self.modules():
-            for param in module.parameters(recurse=False):
+            for name, param in module.named_parameters(recurse=False):
                 if param.is_floating_point() and param.dtype != dtype:
-                    param.data = param.data.to(dtype)
+                    original = param.data
+                    param.data = original.to(dtype)
+                    stash.append((module, "parameter", name, original, param.data_ptr(), param._version))
             for name, buffer in module.named_buffers(recurse=False):
                 if (buffer.is_floating_point() and buffer.dtype != dtype
                         and name not in module._non_persistent_buffers_set):
-                    module._buffers[name] = buffer.to(dtype)
+                    module._buffers[name] = cast = buffer.to(dtype)
+                    stash.append((module, "buffer", name, buffer, cast.data_ptr(), cast._version))
+        if stash:
+            self._precision_stash = stash
+
+    def restore_own_precision(self) -> bool:
+        """Undo the dtype cast of `attach_target(follow=True)`: the drafter's weights as they were before it, bit
+        for bit (a float32 drafter used with a bfloat16 target drafts in bfloat16, then is float32 again; a cast
+        and a cast back would round it). generate() calls this when it returns. Weights changed since the cast
+        (trained, loaded, cast by hand) are the user's: they are kept and the old ones dropped. Returns whether
+        anything was restored."""
+        stash, self._precision_stash = self._precision_stash, None
+        if not stash:
+            return False
+        current = [module._parameters[name] if kind == "parameter" else module._buffers[name]
+                   for module, kind, name, *_ in stash]
+        if any(tensor is None or tensor.data_ptr() != pointer or tensor._version != version
+               for tensor, (*_, pointer, version) in zip(current, stash)):
+            return False
+        for tensor, (module, kind, name, original, *_) in zip(current, stash):
+            original = original.to(tensor.device)  # where the drafter went with its target
+            if kind == "parameter":
+                tensor.data = original
+            else:
+                module._buffers[name] = original
+        return True
 
     def get_input_embeddings(self) -> None:
         """None: the drafter owns no embedding (it uses its target's, see `attach_target`). Said explicitly because
