@@ -9,6 +9,10 @@
   installed. `generate` drops `assistant_model=` (and the streamer) for a callable `custom_generate`, so the drafter
   travels bound to the callable.
 
+Both refuse, before any token, the options a speculative loop cannot follow (`_refuse_other_decoding_methods` here,
+`STATEFUL_PROCESSORS` in `sampling.py`); every other processor runs once per scored position, draft and
+verification slots alike, including positions later rejected: a user's processor must keep no state across calls.
+
 Both rest on `transformers` internals: the first on the private methods' parameters, both on the name `generate`
 hands the KV cache over under. These are checked where they are installed or used (`hook_signature_problems`,
 `loop_support_problems`), so a `transformers` release that changes them fails loudly, naming the version, the
