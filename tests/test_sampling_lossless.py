@@ -117,11 +117,14 @@ def assert_matches(counts: torch.Tensor, probs: torch.Tensor, biased: torch.Tens
     return expected_statistic(biased, probs, samples) / bound
 
 
-@pytest.mark.parametrize("kind", ["markov", "eagle3", "markov-scheduled", "markov-suffix", "eagle3-suffix"])
+@pytest.mark.parametrize("kind", ["markov", "eagle3", "markov-scheduled", "markov-suffix", "eagle3-suffix",
+                                  "markov-slot0unused"])
 def test_generate_sampling_matches_target_distribution(kind, device):
     target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None,
                          bos_token_id=None).to(device)
-    drafter = tiny_drafter(target, kind.split("-")[0], block_size=3).to(device)
+    # slot0unused: the speculators / z-lab convention (slot j predicts anchor + j), drafting from block slot 1.
+    drafter = tiny_drafter(target, kind.split("-")[0], block_size=3,
+                           **({"sample_from_anchor": False} if kind.endswith("slot0unused") else {})).to(device)
     if kind.endswith("scheduled"):
         # The first slot is drafted only when its predicted survival is at least 0.515, a choice that differs
         # between anchors: the length varies with c_1 and must not bias what is emitted.

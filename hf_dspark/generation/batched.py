@@ -178,14 +178,14 @@ def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor,
     (`draft_block`, as at batch 1) and the draft-length rule on the device: each row verifies at most its
     `budget`, and under a threshold or the scheduler fewer, decided from its confidences c_1..c_k alone."""
     config = drafter.config
-    num_rows, gamma = rows.anchor.shape[0], config.block_size
+    num_rows, width = rows.anchor.shape[0], config.block_size  # the input block [anchor, MASK, ...]
     device = rows.anchor.device
-    block = torch.cat([rows.anchor[:, None], rows.anchor.new_full((num_rows, gamma - 1), config.mask_token_id)], 1)
+    block = torch.cat([rows.anchor[:, None], rows.anchor.new_full((num_rows, width - 1), config.mask_token_id)], 1)
     context_valid = torch.cat([rows.draft_valid, rows.pending_valid], dim=1)
-    mask = torch.cat([context_valid[:, None, :].expand(-1, gamma, -1),
-                      context_valid.new_ones(num_rows, gamma, gamma)], dim=-1)[:, None]
+    mask = torch.cat([context_valid[:, None, :].expand(-1, width, -1),
+                      context_valid.new_ones(num_rows, width, width)], dim=-1)[:, None]
     out = drafter(input_ids=block, target_hidden_states=rows.pending,
-                  position_ids=rows.target_length[:, None] + torch.arange(gamma, device=device),
+                  position_ids=rows.target_length[:, None] + torch.arange(width, device=device),
                   context_position_ids=rows.pending_positions, attention_mask=mask, cache=rows.draft_cache)
     rows.draft_valid = context_valid  # the queued context is in the cache now; verification queues the next
     tokens, probs, confidences = draft_block(drafter, out, rows.anchor, slots, sampling, generator)
@@ -336,7 +336,7 @@ class SpeculativeEngine:
         self.policy, self.policy_arg = policy, policy_arg
         self.generator = generator
         self.device = target.device
-        self.gamma = self.rule.max_slots(min(drafter.draft_length(), drafter.config.block_size))
+        self.gamma = self.rule.max_slots(drafter.draft_length())
         self._sampling: tuple[list[int], RowSampling] | None = None  # the current rows' settings, built once
         self.stats: dict[int, SpeculativeStats] = {}
         self.keep_stats = keep_stats

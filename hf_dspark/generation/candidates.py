@@ -92,7 +92,7 @@ class DraftCandidateGenerator(CandidateGenerator):
         self.context_length = self.observed_length
         started = self.clock.now()
         drafts = self._draft(input_ids, features, budget)
-        if self.clock.enabled and features.shape[1] <= self.drafter.config.block_size + 1:
+        if self.clock.enabled and features.shape[1] <= self.drafter.config.num_draft_slots + 1:
             # A round's own cost (the first after the prompt also reads every prompt row, once per call).
             self.planner.record_draft(self.clock.now() - started)
         self.planner.record_drafter(self._round_confidences)

@@ -48,16 +48,18 @@ def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTe
     """Draft `slots` tokens for every row after the backbone pass.
 
     Args:
-        backbone_output: the drafter's output on `[anchor, MASK x (gamma - 1)]` (hidden states and base logits of
-            every slot, (R, gamma, ...)).
+        backbone_output: the drafter's output on `[anchor, MASK x (block_size - 1)]` (hidden states and base logits
+            of every block slot, (R, block_size, ...)).
         anchor: (R,) the newest committed token of each row (x_{-1} for the sequential head).
-        slots: how many slots to draft (at most gamma).
+        slots: how many tokens to draft (at most gamma, `config.num_draft_slots`).
         sampling: a `ProcessorSampling` or `RowSampling` (the processors and the token choice).
 
     Returns:
         (tokens (R, slots), probs (R, slots, V) or None, confidences (R, slots) or None).
     """
-    hidden, base_logits = backbone_output.last_hidden_state, backbone_output.base_logits
+    # Draft k comes from block slot first + k: slot 0 itself, or slot 1 when slot j predicts anchor + j.
+    first = drafter.config.first_draft_slot
+    hidden, base_logits = backbone_output.last_hidden_state[:, first:], backbone_output.base_logits[:, first:]
     head = drafter.sequential_head
     state = head.initial_state(anchor.shape[0], hidden) if head is not None else None
     tokens, probs, embeddings = [], [], []

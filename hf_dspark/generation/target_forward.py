@@ -45,9 +45,9 @@ class DynamicTargetRunner:
 
 def verification_buckets(drafter) -> tuple[int, ...]:
     """The forward sizes a compiled verification is padded to, covering every round of `drafter` (1 to
-    block_size + 1 tokens). With `drafter.verification_costs`, the sizes the cost table pads to (`padded_tokens`, the
-    cheapest forward at or above each count); without, powers of two below block_size + 1, then block_size + 1."""
-    most = drafter.config.block_size + 1
+    gamma + 1 tokens). With `drafter.verification_costs`, the sizes the cost table pads to (`padded_tokens`, the
+    cheapest forward at or above each count); without, powers of two below gamma + 1, then gamma + 1."""
+    most = drafter.config.num_draft_slots + 1
     costs = drafter.verification_costs
     if costs is not None:
         return tuple(sorted({costs.padded_tokens(n) for n in range(1, most + 1)}))

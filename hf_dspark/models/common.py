@@ -431,7 +431,7 @@ class DraftPreTrainedModel(PreTrainedModel):
 
     @num_draft_tokens.setter
     def num_draft_tokens(self, value: int | None) -> None:
-        self._num_draft_tokens = _checked_draft_length(value, self.config.block_size)
+        self._num_draft_tokens = _checked_draft_length(value, self.config.num_draft_slots)
 
     @property
     def output_vocab_size(self) -> int:
@@ -729,18 +729,18 @@ class DraftPreTrainedModel(PreTrainedModel):
         return [i + 1 for i in self.config.target_layer_ids]
 
     def draft_length(self) -> int:
-        """Drafts per round: `num_draft_tokens`, or ``config.block_size`` when it is None."""
-        length = _checked_draft_length(self._num_draft_tokens, self.config.block_size)
-        return self.config.block_size if length is None else length
+        """Drafts per round: `num_draft_tokens`, or ``config.num_draft_slots`` (gamma) when it is None."""
+        length = _checked_draft_length(self._num_draft_tokens, self.config.num_draft_slots)
+        return self.config.num_draft_slots if length is None else length
 
 
-def _checked_draft_length(value, block_size: int) -> int | None:
+def _checked_draft_length(value, slots: int) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= block_size:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= slots:
         raise ValueError(
-            f"num_draft_tokens must be an int from 1 to the drafter's block_size ({block_size}), or None for "
-            f"block_size; got {value!r}. A drafter predicts only the block_size slots it was trained for."
+            f"num_draft_tokens must be an int from 1 to the drafter's {slots} draft slots (config.num_draft_slots), "
+            f"or None for all of them; got {value!r}. A drafter predicts only the slots it was trained for."
         )
     return int(value)
 

@@ -53,8 +53,13 @@ class DSparkDraftConfig(PreTrainedConfig):
         rope_parameters (`dict`): Rotary parameters of the target's full-attention layers.
         attention_bias (`bool`): Whether the q/k/v/o projections have biases.
         qk_norm (`bool`): RMSNorm on queries and keys per head (Qwen3 style; DeepSpec's layout).
-        block_size (`int`): gamma, the number of slots drafted per round. Slot k predicts the token at
-            anchor + k + 1; the anchor token is itself the first prediction slot.
+        block_size (`int`): Width of the input block `[anchor, MASK x (block_size - 1)]`. With
+            `sample_from_anchor` (the default) every slot drafts: slot k predicts the token at anchor + k + 1, so
+            gamma = block_size.
+        sample_from_anchor (`bool`): The slot convention. True (DeepSpec, hf_dspark): the anchor's slot is itself
+            the first prediction slot. False (`vllm-project/speculators`, z-lab DFlash): slot j predicts the token
+            at anchor + j, slot 0 is never used, and a round drafts block_size - 1 tokens. The same weights read
+            the other way give tau ~ 1, so the field is always written and always honoured.
         target_layer_ids (`list[int]`): Target decoder layers whose outputs are fused into the context
             (HF `hidden_states[i + 1]`); -1 is the embedding output (`hidden_states[0]`), as in DeepSpec. The
             target's last layer is not allowed (HF only exposes it after the final norm).
@@ -116,6 +121,7 @@ class DSparkDraftConfig(PreTrainedConfig):
     attention_bias: bool = False
     qk_norm: bool = True
     block_size: int = 7
+    sample_from_anchor: bool = True
     target_layer_ids: list[int] | None = None
     target_num_hidden_layers: int | None = None
     target_model_type: str | None = None
@@ -153,13 +159,14 @@ class DSparkDraftConfig(PreTrainedConfig):
             )
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in 1..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}")
+        if self.block_size < 2 - self.sample_from_anchor:
+            raise ValueError(f"block_size must be at least {2 - self.sample_from_anchor} (sample_from_anchor="
+                             f"{self.sample_from_anchor}), got {self.block_size}")
         if self.confidence_temperatures is not None and (
-            len(self.confidence_temperatures) != self.block_size or min(self.confidence_temperatures) <= 0
+            len(self.confidence_temperatures) != self.num_draft_slots or min(self.confidence_temperatures) <= 0
         ):
-            raise ValueError(f"confidence_temperatures needs {self.block_size} positive values (one per slot), got "
-                             f"{self.confidence_temperatures}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+            raise ValueError(f"confidence_temperatures needs {self.num_draft_slots} positive values (one per drafted "
+                             f"slot), got {self.confidence_temperatures}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
         check_target_layer_ids(self.target_layer_ids)
@@ -171,6 +178,16 @@ class DSparkDraftConfig(PreTrainedConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size}) "
                 f"and be a multiple of num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    @property
+    def first_draft_slot(self) -> int:
+        """The block slot whose output is the first draft: 0 with `sample_from_anchor`, else 1."""
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def num_draft_slots(self) -> int:
+        """gamma, the tokens one round drafts at most: `block_size`, or `block_size - 1` when slot 0 is unused."""
+        return self.block_size - self.first_draft_slot
 
     @property
     def is_dflash(self) -> bool:

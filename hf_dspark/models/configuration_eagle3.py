@@ -109,6 +109,11 @@ class Eagle3DraftConfig(PreTrainedConfig):
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
 
+    @property
+    def num_draft_slots(self) -> int:
+        """gamma, the tokens one round drafts at most (one autoregressive step each)."""
+        return self.block_size
+
     @classmethod
     def from_target_config(cls, target_config: PreTrainedConfig, **overrides: Any) -> "Eagle3DraftConfig":
         """Derive an Eagle3 drafter config from any causal-LM config; any field can be overridden."""

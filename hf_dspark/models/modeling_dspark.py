@@ -170,8 +170,9 @@ class DSparkSequentialHead(nn.Module):
 
 class DSparkDraftModel(DraftPreTrainedModel):
     r"""
-    The DSpark drafter. Input block `[anchor, MASK x (gamma-1)]`; every slot produces logits and slot k predicts
-    the token at anchor + k + 1. The context is the concatenation of the target's hidden states at
+    The DSpark drafter. Input block `[anchor, MASK x (block_size-1)]`; every slot produces logits and slot k
+    predicts the token at anchor + k + 1 (or, with `config.sample_from_anchor` False, slot k >= 1 predicts anchor + k
+    and slot 0 is unused). The context is the concatenation of the target's hidden states at
     `config.target_layer_ids`, fused by `fc` + RMSNorm and injected as extra keys/values in every layer.
 
     The embedding and LM head are the target's (frozen, not stored here): call [`~DraftPreTrainedModel.attach_target`]
@@ -318,12 +319,17 @@ class DSparkDraftModel(DraftPreTrainedModel):
         )
 
     def _teacher_forced_head(self, hidden_states, previous_token_ids):
-        """Run the sequential head over packed blocks of `block_size` slots (the RNN state restarts per block)."""
+        """Run the sequential head over packed blocks of `block_size` slots (the RNN state restarts per block, at
+        its first drafting slot, as in `draft_block`; an unused slot 0 gets zeros)."""
         batch, length, width = hidden_states.shape
         block = self.config.block_size if length % self.config.block_size == 0 else length
-        mixed, previous = self.sequential_head(
-            hidden_states.reshape(-1, block, width), self.head_rows(previous_token_ids).reshape(-1, block)
-        )
+        first = self.config.first_draft_slot if block == self.config.block_size else 0
+        hidden = hidden_states.reshape(-1, block, width)
+        rows = self.head_rows(previous_token_ids).reshape(-1, block)
+        mixed, previous = self.sequential_head(hidden[:, first:], rows[:, first:])
+        if first:
+            mixed = torch.cat([mixed.new_zeros(mixed.shape[0], first, mixed.shape[-1]), mixed], dim=1)
+            previous = torch.cat([previous.new_zeros(previous.shape[0], first, previous.shape[-1]), previous], dim=1)
         return mixed.reshape(batch, length, -1), previous.reshape(batch, length, -1)
 
     def head_rows(self, token_ids: torch.LongTensor) -> torch.LongTensor:

@@ -188,13 +188,13 @@ class DSparkTrainer(Trainer):
         config = drafter.config
         anchors, valid = sample_anchors(inputs["loss_mask"], self.num_anchors)
         blocks = build_blocks(inputs["input_ids"], inputs["loss_mask"], anchors, valid, config.block_size,
-                              config.mask_token_id)
+                              config.mask_token_id, config.first_draft_slot)
         selected = blocks.slot_valid
         out = model(input_ids=blocks.input_ids, target_hidden_states=features, position_ids=blocks.position_ids,
                     attention_mask=blocks.attention_mask, previous_token_ids=blocks.previous_token_ids,
                     logits_mask=selected)
         rows = torch.arange(selected.shape[0], device=selected.device)[:, None].expand_as(selected)[selected]
-        target = self.target_distribution(drafter, inputs, final, rows, blocks.position_ids[selected])
+        target = self.target_distribution(drafter, inputs, final, rows, blocks.target_rows[selected])
         confidence = out.confidence_logits[selected] if out.confidence_logits is not None else None
         slots = blocks.slot_index[selected]
         loss, details = dspark_loss(
