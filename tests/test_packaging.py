@@ -35,8 +35,11 @@ CHECK = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """A wheel built from this source tree, installed (not editable) with `pip install --no-deps` into a fresh venv
-    that reuses this interpreter's torch and transformers (`--system-site-packages`). The editable copy of the
-    repository stays out of the way: the venv's own site-packages come first."""
+    that reuses this interpreter's torch and transformers through a .pth file naming this interpreter's
+    site-packages folders. (`--system-site-packages` would give the *base* interpreter's packages, which lack them
+    when the tests run inside a venv.) The editable copy of the repository stays out of the way: the venv's own
+    site-packages come first, and the listed folders' own .pth files (the editable install's among them) are not
+    read."""
     import shutil
 
     source = tmp_path_factory.mktemp("source")
@@ -50,13 +53,25 @@ def installed(tmp_path_factory):
     assert build.returncode == 0, build.stderr[-3000:]
     wheel = next(wheels.glob("hf_dspark-*.whl"))
     venv = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
     install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                               "--no-deps", "--no-index", str(wheel)], capture_output=True, text=True, cwd=venv,
                              timeout=600)
     assert install.returncode == 0, install.stderr[-3000:]
+    # Only now, so that pip cannot take this interpreter's editable hf_dspark for the one to install.
+    venv_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    (Path(venv_site) / "running-interpreter.pth").write_text("".join(f"{folder}\n" for folder in _site_folders()))
     return python
+
+
+def _site_folders():
+    """This interpreter's site-packages folders, in its own search order (a venv's before its base's)."""
+    import site
+
+    folders = {os.path.realpath(folder) for folder in [*site.getsitepackages(), site.getusersitepackages()]}
+    return [entry for entry in sys.path if entry and os.path.isdir(entry) and os.path.realpath(entry) in folders]
 
 
 def _run(python, args, cwd, timeout=600):

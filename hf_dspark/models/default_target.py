@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -38,12 +41,53 @@ def _gguf_path() -> Path:
     return path
 
 
+def smollm2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    r"""How SmolLM2 splits text before byte-level BPE: every number character on its own, then GPT-2's regex.
+
+    transformers rebuilds a GGUF's byte-level tokenizer with GPT-2's regex alone, because it has no entry for the
+    GGUF's `tokenizer.ggml.pre = "smollm"`; that splits "\r\n" before a digit into "\r", "\n" (two tokens) where
+    SmolLM2 has one. SmolLM2's own tokenizer.json (HuggingFaceTB/SmolLM2-135M-Instruct) pre-tokenizes with
+    Sequence[Digits(individual_digits=True), ByteLevel(add_prefix_space=False, use_regex=True)], and llama.cpp's
+    `smollm` pre-tokenizer (llama-vocab.cpp; convert_hf_to_gguf.py maps HuggingFaceTB/SmolLM-135M's tokenizer to
+    "smollm") applies the same two regexes in turn: "\p{N}", then GPT-2's.
+    """
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+
+
+def _has_smollm2_pre_tokenizer(tokenizer: PreTrainedTokenizerBase) -> bool:
+    current = tokenizer.backend_tokenizer.pre_tokenizer
+    return current is not None and current.__getstate__() == smollm2_pre_tokenizer().__getstate__()
+
+
+def _repair_cached_tokenizer(tokenizer: PreTrainedTokenizerBase, target_dir: Path) -> None:
+    """Give a tokenizer cached by an earlier version SmolLM2's pre-tokenizer, and re-save only the tokenizer files.
+
+    The files are written beside the cache and each moved in with an atomic rename, so an interrupted repair
+    leaves every file whole and the next load finishes the job; the weights are never touched."""
+    tokenizer.backend_tokenizer.pre_tokenizer = smollm2_pre_tokenizer()
+    staging = None
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=target_dir.name + ".tokenizer.", dir=target_dir.parent))
+        tokenizer.save_pretrained(staging)
+        for saved in staging.iterdir():
+            os.replace(saved, target_dir / saved.name)
+    except OSError:
+        pass  # a read-only (or full) cache: this load's tokenizer is already right, and the next load retries
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
 def _materialise(target_dir: Path) -> None:
     gguf = _gguf_path()
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"Reading the default target's GGUF needs the `gguf` package. {_INSTALL_HINT}")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.backend_tokenizer.pre_tokenizer = smollm2_pre_tokenizer()
     # A GGUF-loaded model refuses to serialise; the weights are already dequantized, so drop the marker.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -73,4 +117,6 @@ def load_default_target(
     model = placed_from_pretrained(AutoModelForCausalLM.from_pretrained, target_dir, "default target", device=device,
                                    device_map=device_map, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    if not _has_smollm2_pre_tokenizer(tokenizer):
+        _repair_cached_tokenizer(tokenizer, target_dir)  # cached before the pre-tokenizer was set; weights are fine
     return model, tokenizer
