@@ -4,18 +4,16 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_dspark.models.default_target import default_target_dir, load_default_target
+from hf_dspark.models.default_target import load_default_target
 from hf_dspark.training import RegenerationConfig, iter_regenerated, regenerate
 from hf_dspark.training.regenerate import chat_prompt_ids, is_sampled
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not (default_target_dir() / "tokenizer.json").is_file():
-        load_default_target()  # materialises the cached copy once
-    return AutoTokenizer.from_pretrained(default_target_dir())
+    return load_default_target()[1]  # materialises the cached copy once, and repairs an old tokenizer in it
 
 
 def tiny_chat_target(tokenizer):
