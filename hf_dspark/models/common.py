@@ -596,6 +596,20 @@ class DraftPreTrainedModel(PreTrainedModel):
                     )
         self._target_heads = _TargetHeads(embedding, lm_head)
 
+    def attach_stored_heads(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Use a checkpoint's frozen copies of its target's input embedding (V, d) and LM head (V, d) until a target
+        is attached (DeepSpec stores them), so the drafter runs, and its logits can be compared, with no target
+        loaded. `attach_target` replaces them with the target's own; they are never saved with the drafter."""
+        vocab, hidden = self.config.vocab_size, self.config.hidden_size
+        for name, weight in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if tuple(weight.shape) != (vocab, hidden):
+                raise DrafterLoadError(f"the stored {name} has shape {tuple(weight.shape)}, but the drafter's target "
+                                       f"has vocab_size {vocab} and hidden_size {hidden}; the checkpoint is corrupt.")
+        embedding = nn.Embedding.from_pretrained(embed_tokens.detach(), freeze=True)
+        head = nn.Linear(hidden, vocab, bias=False, device=lm_head.device, dtype=lm_head.dtype).requires_grad_(False)
+        head.weight.data = lm_head.detach()
+        self._target_heads = _TargetHeads(embedding, head)
+
     def _follow(self, target: PreTrainedModel, embedding: nn.Module, lm_head: nn.Module) -> None:
         """`attach_target(follow=True)`: move the drafter to the LM head's device and cast it to the target's dtype,
         or say why it cannot."""
