@@ -1,5 +1,14 @@
 """Training on tiny random targets: losses fall, acceptance rises on target-generated text, runs resume."""
 
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import TrainerCallback, TrainingArguments
@@ -179,3 +188,200 @@ def test_training_blocks_score_what_generation_drafts(kind):
             drafted = drafter(input_ids=block_ids, target_hidden_states=features[:, :anchor],
                               previous_token_ids=blocks.previous_token_ids[:, 4 * block : 4 * block + 4]).logits[0]
             torch.testing.assert_close(trained[block], drafted, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Interrupted checkpoint saves (issue 25): resume from the newest complete checkpoint, keep the user's files
+# ---------------------------------------------------------------------------------------------------------
+
+
+class SmallDisk:
+    """A folder on a filesystem of `size` bytes: a tmpfs mounted there when this process may mount (root), so writes
+    really fail with ENOSPC; `grow` makes room, as a user freeing space would. `mounted` is False where mounting is
+    not allowed, and the tests then simulate the full disk (an OSError(ENOSPC) from the write)."""
+
+    def __init__(self, folder: Path, size: int):
+        folder.mkdir(parents=True)
+        self.folder = folder
+        self.mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                      capture_output=True).returncode == 0
+
+    def remount(self, options: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,{options}", str(self.folder)], check=True)
+
+    def grow(self, size: int) -> None:
+        self.remount(f"size={size}")
+
+    def fill(self) -> Path:
+        """Take every free byte (a file the test removes to free space again)."""
+        filler = self.folder / "filler"
+        filler.write_bytes(b"\0" * shutil.disk_usage(self.folder).free)
+        return filler
+
+    def close(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.folder)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disks = []
+
+    def make(name: str, size: int) -> SmallDisk:
+        disks.append(SmallDisk(tmp_path / name, size))
+        return disks[-1]
+
+    yield make
+    for disk in disks:
+        disk.close()
+
+
+def write_regenerated_shard(folder, count=8, length=30, prompt=6, seed=0):
+    """`hf-dspark regenerate` records over token ids 2..95 (the tiny targets' vocabulary), written by hand."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    with open(folder / "shard-00000.jsonl", "w") as handle:
+        for i in range(count):
+            ids = [rng.randrange(2, 96) for _ in range(length)]
+            handle.write(json.dumps({"id": i, "input_ids": ids, "prompt_length": prompt,
+                                     "answer_spans": [[prompt, length]]}) + "\n")
+    return folder
+
+
+TINY_TRAINING = dict(kind="dspark", dataset_answers=0, num_layers=1, block_size=4, markov_rank=16,
+                     draft_vocab_size=None, target_layer_ids=None, init_from_target=None, max_length=64, batch_size=2,
+                     num_anchors=4, learning_rate=1e-3, save_steps=2, warmup_ratio=0.0, seed=0, resume=True)
+
+
+def train_tiny(output, data, max_steps, target=None, **overrides):
+    from hf_dspark.training.recipes import train_drafter
+
+    settings = {**TINY_TRAINING, "max_steps": max_steps, **overrides}
+    return train_drafter(target or tiny_target("llama"), None, output_dir=str(output), regenerated=[str(data)],
+                         **settings)
+
+
+def _files(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_skips_a_half_written_newest_checkpoint_and_keeps_it(tmp_path, capfd):
+    """A save interrupted before `trainer_state.json` (an older run, or a crash) left checkpoint-4 half written:
+    resuming used to pick it and crash with FileNotFoundError. Now it resumes from checkpoint-2, says which one it
+    skipped and why, and moves the half one aside (never deleted) when step 4 is saved again."""
+    from hf_dspark.training.checkpoints import checkpoint_problem
+
+    data = write_regenerated_shard(tmp_path / "data")
+    train_tiny(tmp_path / "out", data, max_steps=4)
+    runs = tmp_path / "out" / "trainer"
+    half = runs / "checkpoint-4"
+    (half / "trainer_state.json").unlink()
+    kept = _files(half)
+    capfd.readouterr()
+    summary = train_tiny(tmp_path / "out", data, max_steps=6)
+    err = capfd.readouterr().err
+    assert f"{half} is incomplete (no trainer_state.json" in err, err
+    assert f"resuming from {runs / 'checkpoint-2'}" in err, err
+    assert summary["steps"] == 6
+    assert checkpoint_problem(runs / "checkpoint-6") is None and checkpoint_problem(runs / "checkpoint-4") is None
+    assert _files(runs / "incomplete" / "checkpoint-4") == kept  # the user's half checkpoint, byte for byte
+    assert f"moved the incomplete {half} to {runs / 'incomplete' / 'checkpoint-4'}" in err, err
+
+
+SIGINT_DRIVER = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from transformers import Trainer
+from conftest import tiny_target
+from test_training_e2e import train_tiny
+
+marker = Path(sys.argv[2])
+save_rng_state = Trainer._save_rng_state
+
+def slow_save(self, output_dir):  # widen the save window of step 4: the model and optimizer are written by now
+    if self.state.global_step == 4:
+        marker.write_text(output_dir)
+        time.sleep(120)
+    return save_rng_state(self, output_dir)
+
+Trainer._save_rng_state = slow_save
+train_tiny(Path(sys.argv[3]), Path(sys.argv[4]), max_steps=6)
+"""
+
+
+def test_sigint_during_a_checkpoint_save_leaves_a_run_that_resumes(tmp_path, capfd):
+    """Ctrl-C while checkpoint-4 is being written (after its weights and optimizer, before its trainer state), in a
+    real process: the rerun resumes from checkpoint-2 instead of crashing on a half checkpoint."""
+    from hf_dspark.training.checkpoints import checkpoint_problem
+
+    data = write_regenerated_shard(tmp_path / "data")
+    marker, output = tmp_path / "saving", tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-c", SIGINT_DRIVER, str(Path(__file__).parent), str(marker),
+                                str(output), str(data)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), process.communicate(timeout=60)[0][-3000:]
+        assert (Path(marker.read_text()) / "model.safetensors").is_file()  # stopped inside the save
+        process.send_signal(signal.SIGINT)
+        log = process.communicate(timeout=120)[0]
+    finally:
+        process.kill()
+    assert process.returncode != 0 and "KeyboardInterrupt" in log, log[-3000:]
+    runs = output / "trainer"
+    assert checkpoint_problem(runs / "checkpoint-2") is None
+    assert all(checkpoint_problem(path) is None for path in runs.glob("checkpoint-*"))  # no half checkpoint-4
+    capfd.readouterr()
+    summary = train_tiny(output, data, max_steps=6)
+    assert f"resuming from {runs / 'checkpoint-2'}" in capfd.readouterr().err
+    assert summary["steps"] == 6 and checkpoint_problem(runs / "checkpoint-6") is None
+
+
+def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_the_rerun_resumes(tmp_path, small_disk, capsys,
+                                                                                  monkeypatch):
+    """`hf-dspark train` on a disk that fills while checkpoint-4 is written: one line naming the full disk and how
+    to resume (exit code 2), checkpoint-2 intact, and after space is freed the same command resumes from it."""
+    from transformers import AutoTokenizer, Trainer
+
+    from hf_dspark.cli.main import main
+    from hf_dspark.models.default_target import default_target_dir, load_default_target
+    from hf_dspark.training.checkpoints import checkpoint_problem
+
+    if not (default_target_dir() / "tokenizer.json").is_file():
+        load_default_target()  # materialises the cached tokenizer once
+    target_dir = tmp_path / "target"
+    tiny_target("llama").save_pretrained(target_dir)
+    AutoTokenizer.from_pretrained(default_target_dir()).save_pretrained(target_dir)
+    data = write_regenerated_shard(tmp_path / "data")
+    disk = small_disk("disk", 1_500_000)  # one ~0.9 MB checkpoint fits, a second one does not
+    if not disk.mounted:  # simulate it: the second save's RNG file meets a full disk
+        save_rng_state = Trainer._save_rng_state
+
+        def full_at_step_4(self, output_dir):
+            if self.state.global_step == 4 and not getattr(disk, "freed", False):
+                raise OSError(28, "No space left on device")
+            return save_rng_state(self, output_dir)
+
+        monkeypatch.setattr(Trainer, "_save_rng_state", full_at_step_4)
+    output = disk.folder / "run"
+    command = ["train", "--target", str(target_dir), "--output", str(output), "--data", str(data), "--max-steps", "4",
+               "--save-steps", "2", "--block-size", "4", "--num-layers", "1", "--markov-rank", "16",
+               "--batch-size", "2", "--num-anchors", "4", "--max-length", "64", "--threads", "1"]
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [text for text in err.splitlines() if text.startswith("hf-dspark ")]
+    assert line.startswith("hf-dspark train: ") and "no space left" in line.lower(), line
+    assert str(output / "trainer") in line and "rerun" in line and "checkpoint-2" in line, line
+    runs = output / "trainer"
+    assert checkpoint_problem(runs / "checkpoint-2") is None
+    assert all(checkpoint_problem(path) is None for path in runs.glob("checkpoint-*"))
+    if disk.mounted:
+        disk.grow(8_000_000)
+    disk.freed = True
+    assert main(command) == 0
+    err = capsys.readouterr().err
+    assert f"resuming from {runs / 'checkpoint-2'}" in err, err
+    assert checkpoint_problem(runs / "checkpoint-4") is None and (output / "model.safetensors").is_file()

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -271,3 +272,59 @@ def test_preconditioning_lets_small_features_train_beside_a_massive_one():
         with torch.no_grad():
             losses[preconditioned] = float((model.fc(inputs) - truth).pow(2).mean())
     assert losses[True] < 0.1 * losses[False], losses
+
+
+def _fake_checkpoint(folder, step: int):
+    """The files `Trainer._save_checkpoint` writes, small."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file({"w": torch.arange(64, dtype=torch.float32)}, str(folder / "model.safetensors"))
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        torch.save({"state": torch.arange(64)}, folder / name)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return folder
+
+
+@pytest.mark.parametrize("damage,reason", [
+    (lambda f: (f / "trainer_state.json").unlink(), "no trainer_state.json"),
+    (lambda f: (f / "trainer_state.json").write_text('{"global_st'), "trainer_state.json is unreadable"),
+    (lambda f: (f / "model.safetensors").unlink(), "no model weights"),
+    (lambda f: (f / "optimizer.pt").unlink(), "no optimizer state"),
+    (lambda f: (f / "scheduler.pt").unlink(), "no scheduler state"),
+    (lambda f: (f / "rng_state.pth").unlink(), "no RNG state"),
+    (lambda f: os.truncate(f / "model.safetensors", 200), "model.safetensors is truncated"),
+    (lambda f: os.truncate(f / "optimizer.pt", 300), "optimizer.pt is truncated"),
+])
+def test_a_checkpoint_is_complete_only_with_everything_a_resume_reads(tmp_path, damage, reason):
+    from hf_dspark.training.checkpoints import checkpoint_problem, newest_complete_checkpoint
+
+    complete = _fake_checkpoint(tmp_path / "checkpoint-2", 2)
+    assert checkpoint_problem(complete) is None
+    damage(_fake_checkpoint(tmp_path / "checkpoint-10", 10))
+    assert reason in checkpoint_problem(tmp_path / "checkpoint-10")
+    said = []
+    assert newest_complete_checkpoint(tmp_path, log=said.append) == complete  # by step: 10 is newer than 2
+    assert said == [f"{tmp_path / 'checkpoint-10'} is incomplete ({checkpoint_problem(tmp_path / 'checkpoint-10')}); "
+                    "skipped, and left on disk."]
+    assert (tmp_path / "checkpoint-10").is_dir()
+
+
+def test_rotation_deletes_old_complete_checkpoints_only(tmp_path):
+    """transformers' rotation deletes any `checkpoint-*` folder, a user's half checkpoint included."""
+    from hf_dspark.training.checkpoints import publish_checkpoint, rotate_checkpoints
+
+    run = tmp_path / "run"
+    for step in (2, 4, 6):
+        _fake_checkpoint(run / f"checkpoint-{step}", step)
+    (_fake_checkpoint(run / "checkpoint-8", 8) / "trainer_state.json").unlink()
+    said = []
+    publish_checkpoint(_fake_checkpoint(tmp_path / "staged" / "checkpoint-8", 8), run / "checkpoint-8",
+                       log=said.append)
+    assert said == [f"moved the incomplete {run / 'checkpoint-8'} to {run / 'incomplete' / 'checkpoint-8'} to save a "
+                    "complete checkpoint in its place; delete it when you no longer need it."]
+    assert not (run / "incomplete" / "checkpoint-8" / "trainer_state.json").exists()  # the half one, kept as it was
+    assert (run / "checkpoint-8" / "trainer_state.json").is_file()
+    (_fake_checkpoint(run / "checkpoint-12", 12) / "optimizer.pt").unlink()
+    rotate_checkpoints(run, 2, run / "checkpoint-8")
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-12", "checkpoint-6", "checkpoint-8", "incomplete"]

@@ -15,11 +15,20 @@ import torch
 def cmd_bench(args) -> int:
     from hf_dspark.cli.generate import load_drafters
     from hf_dspark.evaluation.speed import held_out_prompts, markdown_table, run_speed_benchmark
+    from hf_dspark.models.common import UserInputError
     from hf_dspark.models.loading import load_target, shipped_drafter_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.output:
+        from hf_dspark.training.output_folder import check_writable
+
+        check_writable(Path(args.output).parent, "--output")  # written after the whole benchmark
     if args.drafters:
+        unlabelled = [item for item in args.drafters if "=" not in item]
+        if unlabelled:
+            raise UserInputError(f"--drafters {unlabelled[0]}: give each drafter as LABEL=PATH (e.g. "
+                                 f"mine={unlabelled[0]}).")
         named = dict(item.split("=", 1) for item in args.drafters)
     else:
         named = {kind: str(shipped_drafter_path(kind)) for kind in ("dspark", "dflash", "eagle3")}
@@ -49,6 +58,7 @@ def cmd_bench(args) -> int:
             print(report[-1], flush=True)
     report += ["", "Raw summaries:", "", "```json", json.dumps(raw, indent=1), "```", ""]
     if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text("\n".join(report))
         raw_json = {"command": command, "results": raw, "target_forward_cost": forward_costs}
         Path(args.output).with_suffix(".json").write_text(json.dumps(raw_json, indent=1))

@@ -32,12 +32,14 @@ def cmd_eval(args) -> int:
     from hf_dspark.evaluation.harness import DEFAULT_TARGET_NAME, location
     from hf_dspark.evaluation.prompts import load_prompt_sets
     from hf_dspark.models.loading import load_target, shipped_drafter_path
+    from hf_dspark.training.output_folder import check_writable
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.target is not None and not args.drafter:
         print("hf-dspark eval: a custom --target needs its --drafter", file=sys.stderr)
         return 2
+    check_writable(args.output, "--output")  # before minutes of loading and decoding
     try:
         named = parse_drafters(args.drafter) if args.drafter else {"dspark": str(shipped_drafter_path("dspark"))}
         benchmarks = parse_benchmarks(args.benchmarks)

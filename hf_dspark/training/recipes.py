@@ -4,6 +4,7 @@ the data, pick a draft vocabulary, train with `DSparkTrainer`, save a safetensor
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from .data import Decontaminator, answer_examples, sharegpt_path
 from .init import init_context_from_target, init_layers_from_target, init_markov_head_from_bigrams
 from .precondition import fold_context_preconditioning, fused_feature_scales, precondition_context_fusion
 from .budget import TimeBudgetCallback
+from .checkpoints import newest_complete_checkpoint
 from .target_cache import TargetCacheDataset
 from .trainer import DSparkTrainer, RegeneratedDataset, frozen_target_states, most_frequent_tokens
 
@@ -161,11 +163,14 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
         scales = fused_feature_scales(dataset, lambda example: _fused_features(drafter, target, example))
         precondition_context_fusion(drafter, scales, fresh=init_from is None)
     warmup_steps = max(1, int(warmup_ratio * max_steps))
-    checkpoints = sorted((output / "trainer").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    has_checkpoint = resume and bool(checkpoints)
+    # The newest checkpoint a resume can read, by its explicit path: transformers' own choice (the newest folder
+    # by name) fails for good on one that an interrupted save left half written.
+    checkpoint = newest_complete_checkpoint(output / "trainer") if resume else None
+    if checkpoint is not None:
+        print(f"resuming from {checkpoint}", file=sys.stderr)
     callbacks = []
     if max_seconds:
-        spent = TimeBudgetCallback.spent_seconds(checkpoints[-1]) if has_checkpoint else 0.0
+        spent = TimeBudgetCallback.spent_seconds(checkpoint) if checkpoint is not None else 0.0
         callbacks.append(TimeBudgetCallback(max_seconds, warmup_steps=warmup_steps, elapsed=spent))
     args = TrainingArguments(
         output_dir=str(output / "trainer"), per_device_train_batch_size=batch_size, max_steps=max_steps,
@@ -178,7 +183,7 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
     trainer = DSparkTrainer(model=drafter, target=target, args=args, train_dataset=dataset, num_anchors=num_anchors,
                             callbacks=callbacks, **(loss_weights or {}))
     started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=True if has_checkpoint else None)
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     seconds = time.perf_counter() - started
     fold_context_preconditioning(drafter)
     drafter.save_pretrained(output)

@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..evaluation.prompts import chat_prompt_ids  # noqa: F401  (prompt building lives in evaluation; re-exported)
+from ..models.common import UserInputError
 
 MANIFEST = "manifest.json"
 
@@ -68,12 +69,12 @@ class RegenerationConfig:
 
     def __post_init__(self):
         if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for the sampled share, got {self.temperature}; "
-                             "use greedy_fraction=1 for greedy answers only.")
+            raise UserInputError(f"temperature must be > 0 for the sampled share, got {self.temperature}; "
+                                 "use greedy_fraction=1 (--greedy-fraction 1) for greedy answers only.")
         if not 0 <= self.greedy_fraction <= 1:
-            raise ValueError(f"greedy_fraction must be in [0, 1], got {self.greedy_fraction}.")
+            raise UserInputError(f"greedy_fraction (--greedy-fraction) must be in [0, 1], got {self.greedy_fraction}.")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.max_turns < 1:
-            raise ValueError("max_new_tokens, batch_size and max_turns must be at least 1.")
+            raise UserInputError("max_new_tokens, batch_size and max_turns must be at least 1.")
 
 
 def next_turn_ids(tokenizer, messages: list[dict], answer_ids: list[int], eos_ids: set[int], user_turn: str
@@ -129,10 +130,10 @@ def _check_manifest(output_dir: Path, manifest: dict) -> None:
     if path.exists():
         previous = json.loads(path.read_text())
         if previous != manifest:
-            raise ValueError(
-                f"{output_dir} holds data regenerated with other settings ({previous}); "
-                "use a new output folder or the same settings to resume."
-            )
+            changed = sorted(key for key in {*previous, *manifest} if previous.get(key) != manifest.get(key))
+            differences = ", ".join(f"{key} {previous.get(key)!r} there, {manifest.get(key)!r} now" for key in changed)
+            raise UserInputError(f"{output_dir} holds data regenerated with other settings ({differences}); use a "
+                                 "new output folder, or the same settings to resume.")
     else:
         path.write_text(json.dumps(manifest, indent=2))
 

@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from ..models.common import UserInputError
+from .output_folder import OutputWriteError, write_problem
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -46,8 +47,8 @@ def _fingerprint(examples) -> str:
     return digest.hexdigest()[:16]
 
 
-class InsufficientDiskError(OSError):
-    pass
+class InsufficientDiskError(OutputWriteError):
+    """The cache does not fit on its disk (a UserInputError and an OSError): the message names the folder."""
 
 
 class TargetCacheError(UserInputError, FileNotFoundError):
@@ -61,7 +62,8 @@ def build_target_cache(target, examples, output_dir: str | os.PathLike, target_l
 
     `target_layer_ids` are 0-based decoder layers, or -1 for the embedding output (the drafter config's
     `target_layer_ids`; HF `hidden_states[i + 1]`). Prints the size
-    before writing and raises `InsufficientDiskError` when the free disk space would not hold it.
+    before writing and raises `InsufficientDiskError` when the free disk space would not hold it, or an
+    `OutputWriteError` when writing a shard fails for the folder's sake (that shard's partial file is removed).
     """
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
@@ -70,8 +72,8 @@ def build_target_cache(target, examples, output_dir: str | os.PathLike, target_l
     text_config = target.config.get_text_config()
     hidden, total_layers = text_config.hidden_size, text_config.num_hidden_layers
     if any(not -1 <= i < total_layers for i in target_layer_ids):
-        raise ValueError(f"target_layer_ids {target_layer_ids} outside the target's {total_layers} layers (use "
-                         f"0..{total_layers - 1}, or -1 for the embedding output)")
+        raise UserInputError(f"target_layer_ids {target_layer_ids} outside the target's {total_layers} layers (use "
+                             f"0..{total_layers - 1}, or -1 for the embedding output)")
     manifest = {
         "format_version": FORMAT_VERSION, "target": target_name, "target_layer_ids": list(target_layer_ids),
         "hidden_size": hidden, "vocab_size": text_config.vocab_size, "num_examples": len(examples),
@@ -80,8 +82,8 @@ def build_target_cache(target, examples, output_dir: str | os.PathLike, target_l
     }
     path = output / MANIFEST
     if path.exists() and json.loads(path.read_text()) != manifest:
-        raise ValueError(f"{output} holds a target cache of other data or settings ({path}); "
-                         "use a new folder, or the same data and target layers to resume.")
+        raise UserInputError(f"{output} holds a target cache of other data or settings ({path}); "
+                             "use a new folder, or the same data and target layers to resume.")
     shards = [examples[i : i + shard_size] for i in range(0, len(examples), shard_size)]
     todo = [i for i in range(len(shards)) if not (output / f"shard-{i:05d}.safetensors").exists()]
     needed = int(sum(len(e["input_ids"]) for i in todo for e in shards[i])
@@ -92,8 +94,9 @@ def build_target_cache(target, examples, output_dir: str | os.PathLike, target_l
     if needed > free:
         raise InsufficientDiskError(
             f"the target cache needs {needed / 2**30:.2f} GiB but {output} has {free / 2**30:.2f} GiB free; "
-            "free space, choose another --cache folder, or cache fewer/shorter examples (--max-length).")
-    path.write_text(json.dumps(manifest, indent=2))
+            "free space, choose another folder, or cache fewer/shorter examples (--max-length), then rerun.")
+    if not path.exists():
+        path.write_text(json.dumps(manifest, indent=2))
     hidden_indices = [i + 1 for i in target_layer_ids] + [total_layers]
     bar = tqdm(total=sum(len(e["input_ids"]) for i in todo for e in shards[i]), unit="tok", disable=not progress,
                desc="target cache")
@@ -101,7 +104,17 @@ def build_target_cache(target, examples, output_dir: str | os.PathLike, target_l
         tensors = _cache_shard(target, shards[index], hidden_indices, max_tokens_per_batch, bar)
         final_path = output / f"shard-{index:05d}.safetensors"
         temporary = final_path.with_suffix(".tmp")
-        save_file(tensors, str(temporary), metadata={"format_version": str(FORMAT_VERSION)})
+        try:
+            save_file(tensors, str(temporary), metadata={"format_version": str(FORMAT_VERSION)})
+        except Exception as error:
+            cause = write_problem(error, output, saving=True)  # judged before the half shard goes, freeing space
+            temporary.unlink(missing_ok=True)
+            if cause is None:
+                raise
+            kept = len(list(output.glob("shard-*.safetensors")))
+            raise OutputWriteError(f"writing {final_path.name} to {output} failed: {cause}. Free space or fix that, "
+                                   f"then rerun the same command: it keeps the {kept} shards written and resumes "
+                                   "at the first missing one.") from error
         os.replace(temporary, final_path)
     bar.close()
     return manifest

@@ -19,6 +19,7 @@ from transformers import Trainer
 from ..models.common import DraftContextCache, DraftPreTrainedModel, UserInputError
 from ..models.modeling_eagle3 import Eagle3DraftModel
 from .blocks import build_blocks, sample_anchors
+from .checkpoints import AtomicCheckpointSaves
 from .losses import TargetDistribution, dspark_loss, l1_distance, position_weights, soft_cross_entropy
 from .regenerate import iter_regenerated
 
@@ -96,8 +97,8 @@ def most_frequent_tokens(counts: torch.Tensor, size: int, always: list[int] | tu
     return torch.tensor(sorted(chosen))
 
 
-class DSparkTrainer(Trainer):
-    """`Trainer` for hf_dspark drafters.
+class DSparkTrainer(AtomicCheckpointSaves, Trainer):
+    """`Trainer` for hf_dspark drafters. Checkpoints are saved atomically (`AtomicCheckpointSaves`).
 
     Args:
         model: a `DSparkDraftModel` (DSpark or DFlash) or `Eagle3DraftModel`.
