@@ -13,6 +13,7 @@ from ._version import __version__
 from .generation import SpeculativeDecoderOnlyOutput, SpeculativeStats, greedy_verify, rejection_sample
 from .generation.integration import custom_generate_for, install_generate_hooks
 from .models import (
+    AutoDrafter,
     DraftContextCache,
     DrafterLoadError,
     DrafterTargetMismatchError,
@@ -44,6 +45,7 @@ def build_dflash_config(target_config, **overrides) -> DSparkDraftConfig:
 
 
 __all__ = [
+    "AutoDrafter",
     "DraftContextCache",
     "DrafterLoadError",
     "DrafterTargetMismatchError",

@@ -179,7 +179,7 @@ def test_missing_and_wrong_model_folders_are_one_line(saved_pair, capsys, tmp_pa
     refused(capsys, ["generate", "hi", "--target", str(tmp_path / "gone"), "--drafter", drafter],
             "no target at", "no such folder")
     refused(capsys, ["generate", "hi", "--target", target, "--drafter", target],  # the target given as the drafter
-            "model_type 'llama'", "is not an hf_dspark drafter", "--target")
+            "model_type 'llama'", "no drafter layout hf_dspark reads", "--target")
     refused(capsys, ["generate", "hi", "--target", drafter, "--drafter", drafter], "holds an hf_dspark drafter")
     (tmp_path / "empty").mkdir()
     refused(capsys, ["generate", "hi", "--target", target, "--drafter", str(tmp_path / "empty")], "no config.json")

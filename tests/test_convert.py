@@ -1,15 +1,16 @@
-"""DeepSpec checkpoint import/export: every published tensor mapped, identical logits after a round trip, the
-slot-convention trap refused."""
+"""DeepSpec checkpoint import/export: every published tensor mapped, identical logits after a round trip, both slot
+conventions kept (a checkpoint whose slot j predicts anchor + j loads as such), other layouts' fields refused."""
 
 import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import hf_dspark
 from hf_dspark.cli.main import main
-from hf_dspark.hub.convert import SlotConventionError, export_deepspec, import_deepspec
+from hf_dspark.hub.convert import export_deepspec, import_deepspec
+from hf_dspark.models.common import DrafterLoadError
 from conftest import prompts, tiny_drafter, tiny_target
 
 
@@ -145,16 +146,23 @@ def test_export_import_round_trip_gives_identical_logits(qwen3, tmp_path, kind, 
 
 
 @pytest.mark.parametrize("fields", [{"sample_from_anchor": False}, {"dspark_bonus_anchor": True},
-                                    {"speculators_model_type": "dspark"},
-                                    {"architectures": ["DFlashDraftModel"]},
                                     # The flags however they are written: 0 / "false" / "0", 1 / "true".
                                     {"sample_from_anchor": 0}, {"sample_from_anchor": "false"},
-                                    {"sample_from_anchor": "False"}, {"dflash_config": {"sample_from_anchor": "0"}},
-                                    {"dspark_bonus_anchor": 1}, {"dspark_bonus_anchor": "true"},
-                                    {"speculators_model_type": "dflash", "sample_from_anchor": "false"}])
-def test_slot_convention_mismatch_is_refused(qwen3, tmp_path, fields):
+                                    {"sample_from_anchor": "False"}, {"dspark_bonus_anchor": 1},
+                                    {"dspark_bonus_anchor": "true"}])
+def test_a_checkpoint_whose_slot_j_predicts_anchor_plus_j_keeps_that_convention(qwen3, tmp_path, fields):
     config, weights = published_layout(qwen3)
-    with pytest.raises(SlotConventionError, match=r"anchor \+ k \+ 1"):
+    drafter = import_deepspec(write_checkpoint(tmp_path / "c", config | fields, weights))
+    assert drafter.config.sample_from_anchor is False and drafter.config.first_draft_slot == 1
+    exported = json.loads((export_deepspec(drafter, tmp_path / "out") / "config.json").read_text())
+    assert exported["sample_from_anchor"] is False and exported["dspark_bonus_anchor"] is True
+
+
+@pytest.mark.parametrize("fields", [{"speculators_model_type": "dspark"}, {"architectures": ["DFlashDraftModel"]},
+                                    {"dflash_config": {"sample_from_anchor": "0"}}])
+def test_another_projects_fields_in_a_deepspec_config_are_refused(qwen3, tmp_path, fields):
+    config, weights = published_layout(qwen3)
+    with pytest.raises(DrafterLoadError):
         import_deepspec(write_checkpoint(tmp_path / "c", config | fields, weights))
 
 
@@ -234,11 +242,12 @@ def test_convert_cli_explains_a_refusal(tmp_path, capsys):
 
 def test_slot_convention_flag_that_is_not_a_boolean_is_refused_and_true_passes(qwen3, tmp_path):
     config, weights = published_layout(qwen3)
-    with pytest.raises(SlotConventionError, match="sample_from_anchor='maybe'.*write true or false"):
+    with pytest.raises(DrafterLoadError, match="sample_from_anchor='maybe'.*write true or false"):
         import_deepspec(write_checkpoint(tmp_path / "c", config | {"sample_from_anchor": "maybe"}, weights))
     for index, value in enumerate([True, 1, "true", "True"]):
-        fields = {"sample_from_anchor": value, "dspark_bonus_anchor": "false", "speculators_model_type": "dspark"}
-        assert import_deepspec(write_checkpoint(tmp_path / f"ok{index}", config | fields, weights)) is not None
+        fields = {"sample_from_anchor": value, "dspark_bonus_anchor": "false"}
+        drafter = import_deepspec(write_checkpoint(tmp_path / f"ok{index}", config | fields, weights))
+        assert drafter.config.sample_from_anchor is True
 
 
 def test_convert_cli_names_a_config_that_does_not_fit_its_weights(qwen3, tmp_path, capsys):
@@ -280,8 +289,9 @@ def test_exports_carry_every_field_deepspecs_loader_asserts(qwen3, tmp_path, kin
 
 def test_deepspec_fields_survive_import_save_load_and_export(qwen3, tmp_path):
     config, weights = published_layout(qwen3)
-    extra = {"num_anchors": 256, "loss_decay_gamma": 7.0, "confidence_head_alpha": 1.0,
-             "deepspec_note": {"data": "perfectblend"}}
+    extra = {"num_anchors": 256, "target_model_name_or_path": "Qwen/Qwen3-8B"}
+    with pytest.raises(DrafterLoadError, match="deepspec_note"):  # a field nobody reads is refused, not ignored
+        import_deepspec(write_checkpoint(tmp_path / "odd", config | extra | {"deepspec_note": 1}, weights))
     source = write_checkpoint(tmp_path / "d", config | extra, weights)
     imported = import_deepspec(source)
     assert imported.config.deepspec_fields == extra
@@ -291,7 +301,7 @@ def test_deepspec_fields_survive_import_save_load_and_export(qwen3, tmp_path):
     assert {k: exported[k] for k in extra} == extra  # 256, not the default 512
 
     e_config, e_weights = published_eagle3_layout(qwen3)
-    e_extra = {"step_loss_decay": 0.7, "target_model_name_or_path": "Qwen/Qwen3-8B", "ttt_loss_weights": [1, 2]}
+    e_extra = {"step_loss_decay": 0.7, "target_model_name_or_path": "Qwen/Qwen3-8B"}
     eagle = import_deepspec(write_checkpoint(tmp_path / "e", e_config | e_extra, e_weights))
     exported = json.loads((export_deepspec(eagle, tmp_path / "e-again") / "config.json").read_text())
     assert {k: exported[k] for k in e_extra} == e_extra
@@ -364,7 +374,7 @@ def test_every_convert_failure_is_one_line_and_exit_code_2(qwen3, tmp_path, caps
 
 @pytest.mark.parametrize("options", [{}, {"confidence_head": True}, {"draft_vocab_size": 40}])
 def test_dflash_exports_a_rank1_zero_markov_head_with_identical_outputs(qwen3, tmp_path, monkeypatch, options):
-    import hf_dspark.hub.convert as convert
+    from hf_dspark.models.formats import deepspec
     from safetensors.torch import load_file
 
     dflash = tiny_drafter(qwen3, "dflash", **options)
@@ -386,7 +396,7 @@ def test_dflash_exports_a_rank1_zero_markov_head_with_identical_outputs(qwen3, t
     back = import_deepspec(exported, target=qwen3)
     assert back.config.markov_head is None and back.sequential_head is None
     # Loaded as it is written (a DSpark drafter with that rank-1 head), it is numerically the same drafter.
-    monkeypatch.setattr(convert, "_is_zero_vanilla_head", lambda config, weights: False)
+    monkeypatch.setattr(deepspec, "_is_zero_vanilla_head", lambda config, weights: False)
     with_head = import_deepspec(exported, target=qwen3)
     assert with_head.config.markov_head == "markov" and with_head.config.markov_rank == 1
     features = torch.randn(1, 5, len(dflash.config.target_layer_ids) * qwen3.config.hidden_size)
@@ -807,3 +817,194 @@ def test_eagle3_export_fits_deepspecs_eagle3_loader(qwen3, tmp_path):
                 "embed_tokens.weight": (config["vocab_size"], d), "lm_head.weight": (config["vocab_size"], d),
                 p + "hidden_norm.weight": (d,), **qwen3_layer_shapes(p, d, heads, kv, hd, inter, attention_input=2 * d)}
     assert _compare(stored, required, {}, unknown_is_error=True) == []
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Issue 25: convert reads safetensors inside the folder only, refuses a target of another architecture and integer
+# weights
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class _CreatesMarkerWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")  # unpickling creates the marker file
+
+
+def _index_naming(folder, entry: str, names) -> None:
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {name: entry for name in names}}))
+
+
+@pytest.mark.parametrize("entry", ["weights.bin", "../outside.safetensors", "/etc/passwd"])
+def test_convert_refuses_an_index_naming_a_pickle_or_a_file_outside_the_folder(qwen3, tmp_path, capsys, entry):
+    """DeepSpec folders were read by globbing *.safetensors, ignoring the index; an index naming anything but
+    safetensors shards inside the folder is now refused (the import reads exactly the shards it names)."""
+    config, weights = published_layout(qwen3)
+    source = write_checkpoint(tmp_path / "deepspec", config, weights)
+    (source / "model.safetensors").rename(tmp_path / "outside.safetensors")
+    marker = tmp_path / "unpickled"
+    torch.save({"payload": _CreatesMarkerWhenUnpickled(marker)}, source / "weights.bin")
+    _index_naming(source, entry, weights)
+    with pytest.raises(hf_dspark.UserInputError, match=f"model.safetensors.index.json .*names '{entry}'.*re-save"):
+        import_deepspec(source)
+    # the export direction reads our drafter (from_pretrained), and --target a target folder, the same way
+    tiny_drafter(qwen3, "markov").save_pretrained(tmp_path / "bad-ours")
+    tiny_drafter(qwen3, "markov").save_pretrained(tmp_path / "good-ours")
+    qwen3.save_pretrained(tmp_path / "bad-target")
+    for folder in (tmp_path / "bad-ours", tmp_path / "bad-target"):
+        stored = load_file(folder / "model.safetensors")
+        (folder / "model.safetensors").unlink()
+        _index_naming(folder, entry, stored)
+    out = str(tmp_path / "out")
+    for argv in ([str(source), out], [str(tmp_path / "bad-ours"), out],
+                 [str(tmp_path / "good-ours"), out, "--target", str(tmp_path / "bad-target")],
+                 [str(source), out, "--target", str(tmp_path / "bad-target")]):
+        capsys.readouterr()
+        assert main(["convert", *argv]) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("hf-dspark ")]
+        assert len(lines) == 1 and "Traceback" not in err and f"names '{entry}'" in lines[0], err
+        assert not (tmp_path / "out").exists()
+    assert not marker.exists()
+
+
+def test_import_reads_the_shards_its_index_names(qwen3, tmp_path):
+    config, weights = published_layout(qwen3)
+    source = tmp_path / "sharded"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps(config))
+    names = sorted(weights)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: weights[k] for k in keys}, str(source / shard))
+    (source / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: shard for shard, keys in halves.items() for k in keys}}))
+    save_file({"stale.weight": torch.zeros(2)}, str(source / "stale-copy.safetensors"))  # named by no index entry
+    drafter = import_deepspec(source, target=qwen3)
+    assert torch.equal(drafter.state_dict()["fc.weight"], weights["fc.weight"])
+
+
+def _llama_shaped_like(qwen3):
+    """A Llama target whose sizes all equal the tiny Qwen3's: only model_type tells them apart."""
+    llama = tiny_target("llama")
+    for name in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        assert getattr(llama.config, name) == getattr(qwen3.config, name), name
+    assert llama.config.head_dim == qwen3.config.head_dim
+    return llama
+
+
+def test_convert_refuses_a_target_of_another_architecture_with_the_same_shapes(qwen3, tmp_path, capsys):
+    llama = _llama_shaped_like(qwen3)
+    drafter = tiny_drafter(qwen3, "markov")
+    with pytest.raises(hf_dspark.DrafterTargetMismatchError, match="'qwen3'.*'llama'"):
+        export_deepspec(drafter, tmp_path / "exported", target=llama)
+    config, weights = published_layout(qwen3)
+    del weights["embed_tokens.weight"], weights["lm_head.weight"]  # nothing to compare with the target's
+    source = write_checkpoint(tmp_path / "deepspec", config, weights)
+    with pytest.raises(hf_dspark.DrafterTargetMismatchError, match="'qwen3'.*'llama'"):
+        import_deepspec(source, target=llama)
+    assert import_deepspec(source, target=qwen3) is not None
+    llama.save_pretrained(tmp_path / "llama")
+    drafter.save_pretrained(tmp_path / "ours")
+    for folder in (source, tmp_path / "ours"):
+        capsys.readouterr()
+        assert main(["convert", str(folder), str(tmp_path / "out"), "--target", str(tmp_path / "llama")]) == 2
+        err = capsys.readouterr().err
+        assert "'qwen3'" in err and "'llama'" in err and not (tmp_path / "out").exists(), err
+
+
+def test_integer_weights_are_refused_by_convert_and_from_pretrained(qwen3, tmp_path, capsys):
+    config, weights = published_layout(qwen3)
+    weights["fc.weight"] = (weights["fc.weight"] * 50).to(torch.int8)
+    with pytest.raises(hf_dspark.UserInputError, match=r"fc.weight \(torch.int8\).*float"):
+        import_deepspec(write_checkpoint(tmp_path / "deepspec", config, weights))
+    folder = tmp_path / "ours"
+    tiny_drafter(qwen3, "markov", draft_vocab_size=40).save_pretrained(folder)
+    stored = load_file(folder / "model.safetensors")
+    assert stored["draft_to_target"].dtype == torch.int64  # an integer buffer stays allowed
+    hf_dspark.DSparkDraftModel.from_pretrained(folder)
+    stored["fc.weight"] = (stored["fc.weight"] * 50).to(torch.int8)
+    save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(hf_dspark.UserInputError, match=r"fc.weight \(I8\).*float"):
+        hf_dspark.DSparkDraftModel.from_pretrained(folder)
+    capsys.readouterr()
+    assert main(["convert", str(folder), str(tmp_path / "out")]) == 2
+    assert "fc.weight (I8)" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Issue 24 section 4: what running the exports in llama.cpp build 11434 found (benchmarks/interop/llama_cpp.py)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,options", [("markov", {}), ("markov", {"draft_vocab_size": 40}), ("dflash", {}),
+                                          ("eagle3", {"qk_norm": True})])
+def test_export_writes_the_targets_embedding_and_head_in_the_targets_dtype(qwen3, tmp_path, kind, options):
+    """hf_dspark drafts with the target's own (float32) embedding and LM head. The export cast them to the
+    drafter's dtype (bfloat16 for the shipped drafters), so llama.cpp, which reads the stored embedding and a draft
+    vocabulary's LM head rows, drafted from rounded copies. The drafter's own weights keep their precision."""
+    drafter = tiny_drafter(qwen3, kind, **options)
+    if options.get("draft_vocab_size"):
+        drafter.set_draft_vocab(torch.arange(0, 80, 2))
+    drafter = drafter.to(torch.bfloat16)
+    assert qwen3.dtype == torch.float32
+    export_deepspec(drafter, tmp_path / "x", target=qwen3)
+    stored = load_file(tmp_path / "x" / "model.safetensors")
+    rows = drafter.draft_to_target if drafter.draft_to_target is not None else slice(None)
+    assert stored["embed_tokens.weight"].dtype == torch.float32
+    assert torch.equal(stored["embed_tokens.weight"], qwen3.get_input_embeddings().weight.detach())
+    assert stored["lm_head.weight"].dtype == torch.float32
+    assert torch.equal(stored["lm_head.weight"], qwen3.get_output_embeddings().weight.detach()[rows])
+    assert stored["fc.weight"].dtype == torch.bfloat16 and torch.equal(stored["fc.weight"], drafter.fc.weight)
+    back = import_deepspec(tmp_path / "x", target=qwen3)  # still recognised as the target's embedding and head
+    assert torch.equal(back.fc.weight.float(), drafter.fc.weight.float())
+
+
+def test_eagle3_export_says_why_llama_cpp_cannot_run_it(qwen3, tmp_path, caplog):
+    """llama.cpp build 11434's converter registers no `Qwen3Eagle3Model`, and its EAGLE3 graph (src/models/eagle3.cpp)
+    is a Llama layer without per-head q/k norms, reading exactly 3 target layers: DeepSpec's Eagle3 layout (always
+    with q/k norms) cannot run there, and renaming it would drop the norms. The export says so, naming the engine."""
+    drafter = tiny_drafter(qwen3, "eagle3", qk_norm=True, draft_vocab_size=40)
+    drafter.set_draft_vocab(torch.arange(0, 80, 2))
+    with caplog.at_level("WARNING", logger="hf_dspark.hub.convert"):
+        export_deepspec(drafter, tmp_path / "x", target=qwen3)
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "llama.cpp cannot run" in text and "Qwen3Eagle3Model" in text and "q/k norm" in text, text
+    assert "served by vLLM and llama.cpp" not in text  # the draft-vocabulary note is for drafters they serve
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_dspark.hub.convert"):
+        export_deepspec(tiny_drafter(qwen3, "dflash"), tmp_path / "dflash", target=qwen3)
+    assert not caplog.records  # DFlash runs in llama.cpp (measured): nothing to warn about
+
+
+def test_model_card_names_llama_cpps_draft_length_and_what_sglang_cannot_load(qwen3):
+    """`--spec-type draft-dspark` alone drafts 3 tokens a round (llama.cpp's default `--spec-draft-n-max`), not the
+    block; and SGLang cannot load a draft vocabulary."""
+    from hf_dspark.hub.model_card import describe_serving
+
+    full = describe_serving(tiny_drafter(qwen3, "markov", block_size=5).config)
+    assert "--spec-type draft-dspark --spec-draft-n-max 5" in full and "SGLang with" in full
+    assert "conf-min" not in full
+    vocab = describe_serving(tiny_drafter(qwen3, "markov", block_size=5, draft_vocab_size=40).config)
+    assert "--spec-draft-n-max 5" in vocab and "SGLang with" not in vocab and "SGLang cannot" in vocab
+
+
+def test_a_deepspec_w1_with_its_own_row_for_every_token_keeps_them(qwen3, tmp_path):
+    """A trained draft-vocabulary checkpoint's W1 differs outside the draft vocabulary: it loads whole
+    (`markov_w1_full_vocab`) and exports back bit for bit, greedy output unchanged."""
+    drafter = tiny_drafter(qwen3, "markov", draft_vocab_size=40)
+    drafter.set_draft_vocab(torch.randperm(qwen3.config.vocab_size, generator=torch.Generator().manual_seed(3))[:40])
+    exported = export_deepspec(drafter, tmp_path / "compact", target=qwen3)
+    weights = load_file(exported / "model.safetensors")
+    weights["markov_head.markov_w1.weight"] = torch.randn_like(weights["markov_head.markov_w1.weight"])
+    save_file(weights, exported / "model.safetensors", metadata={"format": "pt"})
+    loaded = import_deepspec(exported, target=qwen3)
+    assert loaded.config.markov_w1_full_vocab
+    again = load_file(export_deepspec(loaded, tmp_path / "again", target=qwen3) / "model.safetensors")
+    assert torch.equal(again["markov_head.markov_w1.weight"], weights["markov_head.markov_w1.weight"])
+    ids = prompts(1)[0]
+    assert torch.equal(qwen3.generate(ids, assistant_model=loaded, do_sample=False, max_new_tokens=12),
+                       qwen3.generate(ids, do_sample=False, max_new_tokens=12))

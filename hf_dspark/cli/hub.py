@@ -8,13 +8,23 @@ from pathlib import Path
 
 
 def cmd_push(args) -> int:
-    from transformers import AutoModel
+    from hf_dspark.hub.push import push_drafter, read_eval_results, stage_drafter
+    from hf_dspark.models.common import UserInputError
+    from hf_dspark.models.loading import load_drafter
+    from hf_dspark.training.output_folder import check_writable
 
-    from hf_dspark.hub.push import push_drafter, stage_drafter
-
-    drafter = AutoModel.from_pretrained(args.drafter)
-    card = Path(args.card).read_text() if args.card else None
-    options = dict(card=card, base_model=args.base_model, eval_results=args.eval, eval_method=args.eval_method)
+    card = None
+    if args.card:
+        try:
+            card = Path(args.card).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            reason = "no such file" if isinstance(error, FileNotFoundError) else error
+            raise UserInputError(f"--card {args.card}: {reason}; pass a Markdown card file.") from None
+    results = read_eval_results(args.eval) if args.eval else None  # a bad file fails before anything loads
+    if args.dry_run:
+        check_writable(Path(args.dry_run).parent, "--dry-run")
+    drafter = load_drafter(args.drafter, None)  # refuses another kind of model before reading its weights
+    options = dict(card=card, base_model=args.base_model, eval_results=results, eval_method=args.eval_method)
     if args.dry_run:
         folder = stage_drafter(drafter, args.dry_run, **options)
         print(f"staged {len(list(folder.rglob('*')))} files in {folder} (nothing uploaded)", file=sys.stderr)
@@ -25,38 +35,30 @@ def cmd_push(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    """Convert one way or the other. Every failure (an unreadable or missing folder, a refused drafter, a target
-    that does not fit, a write error) is one line on stderr and exit code 2, and leaves no half-written output."""
+    """Read a drafter in any layout hf_dspark reads and write it in another (`--to`; default: an hf_dspark drafter
+    goes to DeepSpec's layout, anything else to hf_dspark's). Every failure (an unreadable or missing folder, a refused
+    drafter, a target that does not fit, a write error) is one line on stderr and exit code 2, and leaves no
+    half-written output."""
     import shutil
 
     from safetensors import SafetensorError
-    from transformers import AutoModel, AutoModelForCausalLM
 
-    from hf_dspark.hub.convert import export_deepspec, import_deepspec
+    from hf_dspark.hub.convert import convert_drafter, source_layout
 
     output = Path(args.output)
     existed = output.exists()
     try:
-        config_path = Path(args.source) / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{args.source} has no config.json: pass a DeepSpec checkpoint folder or an "
-                                    "hf_dspark drafter folder")
-        config = json.loads(config_path.read_text())
-        target = AutoModelForCausalLM.from_pretrained(args.target) if args.target else None
-        direction = args.to or ("deepspec" if config.get("model_type") in ("dspark", "eagle3_draft") else "hf_dspark")
-        if direction == "deepspec":
-            export_deepspec(AutoModel.from_pretrained(args.source), args.output, target=target)
-            print(f"wrote DeepSpec's layout to {args.output}", file=sys.stderr)
-        else:
-            import_deepspec(args.source, target=target).save_pretrained(args.output)
-            print(f"wrote hf_dspark drafter to {args.output}", file=sys.stderr)
+        layout = source_layout(args.source)
+        direction = args.to or ("deepspec" if layout == "hf_dspark" else "hf_dspark")
+        convert_drafter(args.source, args.output, direction, target=args.target)
+        print(f"read {layout} layout, wrote {direction}'s to {args.output}", file=sys.stderr)
     except (ValueError, OSError, RuntimeError, KeyError, TypeError, SafetensorError) as error:
-        # ValueError includes SlotConventionError, target mismatches and broken JSON; OSError unreadable folders.
+        # ValueError includes refused drafters, target mismatches and broken JSON; OSError unreadable folders.
         if not existed and output.exists():
             shutil.rmtree(output, ignore_errors=True)
         message = " ".join(str(error).split()) or type(error).__name__
         if isinstance(error, KeyError):
-            message = f"{args.source}/config.json has no field {message}; is it a DeepSpec or hf_dspark checkpoint?"
+            message = f"{args.source}/config.json has no field {message}; is it a drafter checkpoint?"
         print(f"hf-dspark convert: {message}", file=sys.stderr)
         return 2
     return 0
@@ -75,12 +77,14 @@ def add_parser(sub) -> None:
     push.add_argument("--dry-run", metavar="DIR", default=None, help="write what would be uploaded to DIR instead")
     push.set_defaults(func=cmd_push)
 
-    convert = sub.add_parser("convert", help="DeepSpec checkpoint (Qwen3DSparkModel, what vLLM/SGLang serve) <-> "
-                                             "hf_dspark drafter; the direction follows the source's config")
-    convert.add_argument("source", help="DeepSpec checkpoint folder, or an hf_dspark drafter folder to export")
+    convert = sub.add_parser("convert", help="write a drafter in another layout: hf_dspark's, DeepSpec's "
+                                             "(Qwen3DSparkModel: vLLM, SGLang, llama.cpp) or vllm-project/speculators' "
+                                             "(vLLM); reads those and z-lab DFlash's")
+    convert.add_argument("source", help="drafter folder in any layout hf_dspark reads")
     convert.add_argument("output", help="folder to write")
     convert.add_argument("--target", default=None,
-                         help="target model folder: import checks the stored embedding/LM head against it; export "
-                              "includes them (needed with a draft vocabulary)")
-    convert.add_argument("--to", choices=["deepspec", "hf_dspark"], default=None, help="force the direction")
+                         help="target model folder: checks the drafter against it (architecture, shapes, stored "
+                              "embedding/LM head); a DeepSpec export includes them (needed with a draft vocabulary)")
+    convert.add_argument("--to", choices=["deepspec", "speculators", "hf_dspark"], default=None,
+                         help="layout to write (default: deepspec for an hf_dspark drafter, else hf_dspark)")
     convert.set_defaults(func=cmd_convert)

@@ -31,6 +31,7 @@ from transformers.generation.utils import GenerationMixin
 
 from .._version import __version__
 from ..models.common import DraftPreTrainedModel, UserInputError, drafter_type
+from ..models.formats import layout_name
 from .decoding import speculative_decoding
 
 # The range pyproject.toml declares (tests/test_integration.py keeps the two in step); named by the fix in messages.
@@ -144,6 +145,23 @@ def _raise_if_loop_unsupported(model) -> None:
         raise TransformersCompatibilityError(incompatibility_message(problems, custom_generate_works=False))
 
 
+def _refuse_a_drafter_loaded_without_its_heads(assistant) -> None:
+    """An assistant whose config names a drafter layout (DeepSpec's `Qwen3DSparkModel`, z-lab's `DFlashDraftModel`,
+    a speculators drafter, ...) but that is not a drafter: a stock class (`AutoModel` maps DeepSpec's
+    `model_type: qwen3` to `Qwen3Model`) loaded it and dropped the drafter's own weights, so stock assisted decoding
+    would run it as a plain language model. Refused before any token, naming the loader that works."""
+    config = getattr(assistant, "config", None)
+    layout = layout_name(config) if config is not None else None
+    if layout is None:
+        return
+    path = getattr(assistant, "name_or_path", None) or getattr(config, "_name_or_path", None) or "path"
+    raise UserInputError(
+        f"assistant_model is a {type(assistant).__name__}, but its config describes a {layout} drafter: a stock "
+        "class loaded the folder and dropped the drafter's own weights (fusion, heads), so it cannot draft. Load it "
+        f"with hf_dspark.AutoDrafter.from_pretrained({str(path)!r}) and pass that as assistant_model."
+    )
+
+
 def _other_decoding_options(config) -> list[str]:
     """The options of `config` that ask stock generate() for another decoding method than greedy search or sampling
     (beams, contrastive search, DoLa, constraints), or for another candidate source than the assistant."""
@@ -177,7 +195,10 @@ def _refuse_other_decoding_methods(generation_config) -> None:
 
 def _routing_validate_generation_mode(original: Callable) -> Callable:
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        drafter = as_drafter(generation_mode_kwargs.get("assistant_model"))
+        assistant = generation_mode_kwargs.get("assistant_model")
+        drafter = as_drafter(assistant)
+        if drafter is None and assistant is not None:
+            _refuse_a_drafter_loaded_without_its_heads(assistant)
         if drafter is not None:
             _refuse_other_decoding_methods(generation_config)
             # Our own message comes first: stock validation would blame the tokenizer for any vocab mismatch.
@@ -359,6 +380,7 @@ def custom_generate_for(drafter) -> Callable:
     """
     resolved = as_drafter(drafter)
     if resolved is None:
+        _refuse_a_drafter_loaded_without_its_heads(drafter)
         raise UserInputError(
             f"custom_generate_for expects an hf_dspark drafter (DSparkDraftModel or Eagle3DraftModel, or a PEFT "
             f"wrapper of one), got {type(drafter).__name__}. For another assistant model call "

@@ -1,3 +1,4 @@
+from .auto import AutoDrafter
 from .common import DraftContextCache, DrafterLoadError, DrafterTargetMismatchError, DraftPreTrainedModel, UserInputError
 from .configuration_dspark import DSparkDraftConfig
 from .configuration_eagle3 import Eagle3DraftConfig
@@ -5,6 +6,7 @@ from .modeling_dspark import DSparkDraftModel, DSparkDraftOutput
 from .modeling_eagle3 import Eagle3DraftModel, Eagle3DraftOutput
 
 __all__ = [
+    "AutoDrafter",
     "DraftContextCache",
     "DrafterLoadError",
     "DrafterTargetMismatchError",

@@ -470,11 +470,20 @@ class DraftPreTrainedModel(PreTrainedModel):
         (stock loading would silently re-initialise them and the drafter would propose garbage), a config.json of
         another architecture or without a field whose default would change the drafter's outputs
         (`config_class.required_saved_fields`), and unreadable weights (`DrafterLoadError`, naming the file)."""
+        converted = _load_other_layout(cls, pretrained_model_name_or_path, kwargs)
+        if converted is not None:
+            return converted
         if kwargs.get("use_safetensors") is False:
             raise ValueError("hf_dspark drafters load weights from safetensors only; drop use_safetensors=False.")
         kwargs["use_safetensors"] = True
         return_info = kwargs.pop("output_loading_info", False)
         _check_saved_config(cls, pretrained_model_name_or_path, kwargs)  # AutoModel passes the config it read
+        from .weight_files import check_floating_weights, checked_weight_files  # it imports this module
+
+        # use_safetensors=True still reads whatever an index or config.json's transformers_weights names (a pickle,
+        # a path outside the folder): resolve and check those files before anything is read.
+        files = checked_weight_files(pretrained_model_name_or_path, "drafter", **kwargs) \
+            if pretrained_model_name_or_path is not None else []
         fix = (
             "It was saved for a different drafter config or is incomplete: load it with the config.json saved "
             "beside it, or re-save it with save_pretrained() from a matching drafter."
@@ -510,6 +519,7 @@ class DraftPreTrainedModel(PreTrainedModel):
                 f"The checkpoint at {pretrained_model_name_or_path!r} does not fit {cls.__name__} "
                 f"({'; '.join(problems)}). {fix}"
             )
+        check_floating_weights(files, model, "drafter")  # int8 weights were cast into the floats silently
         return (model, info) if return_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -762,6 +772,30 @@ def _checked_draft_length(value, slots: int) -> int | None:
 _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision", "subfolder")
 
 
+def _load_other_layout(cls, path, kwargs: dict):
+    """The drafter at `path` converted in memory when its config.json is another project's layout (DeepSpec,
+    speculators, z-lab DFlash; `formats.load_layout`), else None (hf_dspark's own layout, or nothing readable:
+    the stock path then says what is wrong)."""
+    if path is None or kwargs.get("config") is not None:  # AutoModel already read an hf_dspark config
+        return None
+    try:  # absolute: a copy of this file saved as remote code (no hf_dspark beside it) reads only its own layout
+        from hf_dspark.models.formats import layout_of, load_layout, read_config
+    except ImportError:
+        return None
+
+    try:
+        config, _ = read_config(path, kwargs)
+    except (OSError, ValueError):
+        return None
+    module = layout_of(config)
+    if module is None:
+        return None
+    if kwargs.pop("output_loading_info", False):
+        raise UserInputError(f"{path} is a {module.FORMAT} checkpoint, converted while it loads, so there is no "
+                             "transformers loading report: drop output_loading_info (the conversion is strict).")
+    return load_layout(path, config, module, expected_class=cls, **kwargs)
+
+
 def _check_saved_config(cls, path, kwargs: dict) -> None:
     """Refuse a drafter folder whose config.json names another architecture, or lacks a field whose default would
     silently change the drafter's outputs (`config_class.required_saved_fields`). Unreadable folders are left to
@@ -784,8 +818,10 @@ def _check_saved_config(cls, path, kwargs: dict) -> None:
         if found in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
             fix = "load it with AutoModel.from_pretrained (after `import hf_dspark`), which picks the class from it"
         else:
-            fix = ("it is not an hf_dspark drafter: pass a folder written by `hf-dspark train` or a drafter's "
-                   "save_pretrained()")
+            fix = ("it is not a drafter layout hf_dspark reads (its own, DeepSpec's, vllm-project/speculators' or "
+                   "z-lab DFlash's, which hf_dspark.AutoDrafter.from_pretrained(path) and this class load directly, "
+                   "and `hf-dspark convert` writes out): pass a folder written by `hf-dspark train`, a drafter's "
+                   "save_pretrained() or one of those projects")
         raise DrafterLoadError(f"{source} has model_type {found!r}, but {cls.__name__} is {expected!r}: {fix}.")
     for field, hint in getattr(cls.config_class, "required_saved_fields", {}).items():
         if saved.get(field) is None:

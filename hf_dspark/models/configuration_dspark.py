@@ -72,6 +72,9 @@ class DSparkDraftConfig(PreTrainedConfig):
         markov_rank (`int`): Rank r of the sequential head's token embedding W1 (V x r) and output W2 (r x V).
             With a draft vocabulary both are indexed by it (W1 has one more row shared by every token outside
             it), which keeps the head, and the checkpoint, small.
+        markov_w1_full_vocab (`bool`): With a draft vocabulary, keep one W1 row per target token instead (how
+            DeepSpec and speculators store W1); set when such a checkpoint's rows outside the draft vocabulary
+            differ, so it loads exactly.
         confidence_head (`bool`): Predict, per slot, the probability that the slot is accepted given that its
             prefix was (sigmoid of a linear map of `[h_k ; W1[x_{k-1}]]`).
         confidence_temperatures (`list[float]`, *optional*): Sequential Temperature Scaling, one temperature per
@@ -128,6 +131,7 @@ class DSparkDraftConfig(PreTrainedConfig):
     mask_token_id: int = 0
     markov_head: str | None = "markov"
     markov_rank: int = 256
+    markov_w1_full_vocab: bool = False
     confidence_head: bool = True
     confidence_temperatures: list[float] | None = None
     draft_vocab_size: int | None = None

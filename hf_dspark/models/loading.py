@@ -62,6 +62,18 @@ def _from_pretrained(load, path, what: str, **kwargs):
                              f"pass the {what}'s folder.") from error
 
 
+def safetensors_only(load, what: str):
+    """``load`` (a `from_pretrained`) reading safetensors files inside the checkpoint folder only: the files it
+    would read are resolved and checked first (`checked_weight_files`), and it never falls back to a pickle."""
+    from .weight_files import checked_weight_files
+
+    def load_checked(path, **kwargs):
+        checked_weight_files(path, what, **kwargs)
+        return load(path, use_safetensors=True, **kwargs)
+
+    return load_checked
+
+
 AUTO_DEVICE = "auto"
 """`device="auto"` (the command line's default, as in `transformers serve`): the machine's accelerator (CUDA, or
 XPU / MPS where torch has one) when it has one, else the CPU."""
@@ -169,15 +181,25 @@ def load_target(path: str | None, dtype: str, device: str | torch.device | None 
         from .default_target import load_default_target
 
         return load_default_target(dtype=DTYPES[dtype], device=device, device_map=device_map)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    model = load_target_model(path, DTYPES[dtype], device=device, device_map=device_map)
+    return model, _from_pretrained(AutoTokenizer.from_pretrained, path, "target")
+
+
+def load_target_model(path: str | Path, dtype: torch.dtype | None = None, device=None, device_map=None):
+    """The target model saved at ``path`` (a folder or a Hub id) in eval mode, without its tokenizer, from
+    safetensors files inside its folder only (`safetensors_only`); ``dtype`` None keeps the saved one. A drafter
+    folder is refused before anything loads. ``device`` / ``device_map`` as in `load_target`."""
+    from transformers import AutoModelForCausalLM
 
     config = read_saved_config(path, "target")
     if config is not None and config.get("model_type") in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
         raise UserInputError(f"{path} holds an hf_dspark drafter, not a target model; pass it as --drafter and the "
                              "model it drafts for as --target.")
-    model = placed_from_pretrained(AutoModelForCausalLM.from_pretrained, path, "target", device=device,
-                                   device_map=device_map, dtype=DTYPES[dtype]).eval()
-    return model, _from_pretrained(AutoTokenizer.from_pretrained, path, "target")
+    options = {} if dtype is None else {"dtype": dtype}
+    return placed_from_pretrained(safetensors_only(AutoModelForCausalLM.from_pretrained, "target"), path, "target",
+                                  device=device, device_map=device_map, **options).eval()
 
 
 def shipped_drafter_path(kind: str = "dspark") -> Path:
@@ -192,20 +214,26 @@ def shipped_drafter_path(kind: str = "dspark") -> Path:
     return path
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype, device: str | torch.device | None = None):
-    """A saved drafter in eval mode (`import hf_dspark` has registered its classes with `AutoModel`), on ``device``
-    (as in `load_target`; generation moves it beside its target's LM head anyway). A folder holding another kind
-    of model (e.g. the target itself) is refused before anything is loaded."""
-    from transformers import AutoModel  # the drafter classes are registered on `import hf_dspark`, our parent
+def load_drafter(path: str | Path, dtype: torch.dtype | None, device: str | torch.device | None = None):
+    """A saved drafter in eval mode, in any layout `AutoDrafter` reads (hf_dspark's own, DeepSpec's, speculators',
+    z-lab DFlash's), on ``device`` (as in `load_target`; generation moves it beside its target's LM head anyway),
+    in ``dtype`` (None: as saved). A folder holding another kind of model (e.g. the target itself) is refused
+    before anything is loaded, and weights are read from safetensors files inside the folder only."""
+    from .auto import AutoDrafter
+    from .formats import layout_of
 
     config = read_saved_config(path, "drafter")
-    if config is not None and config.get("model_type") not in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
+    if config is not None and config.get("model_type") not in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE) \
+            and layout_of(config) is None:
         raise UserInputError(
-            f"{Path(path) / 'config.json'} has model_type {config.get('model_type')!r}, so {path} is not an "
-            f"hf_dspark drafter ({BLOCK_DRAFTER_TYPE!r} or {EAGLE3_DRAFTER_TYPE!r}); pass a folder written by "
-            "`hf-dspark train` or a drafter's save_pretrained() (a target folder goes to --target)."
+            f"{Path(path) / 'config.json'} has model_type {config.get('model_type')!r} and architectures "
+            f"{config.get('architectures')}, so {path} is no drafter layout hf_dspark reads (its own, DeepSpec's, "
+            "vllm-project/speculators' or z-lab DFlash's); pass a drafter folder (a target folder goes to --target)."
         )
-    model = _from_pretrained(AutoModel.from_pretrained, str(path), "drafter", dtype=dtype).eval()
+    options = {} if dtype is None else {"dtype": dtype}
+    # safetensors_only: a Hub id's config is only read by the loader, which may pick a class of another model.
+    model = _from_pretrained(safetensors_only(AutoDrafter.from_pretrained, "drafter"), str(path), "drafter",
+                             **options).eval()
     if drafter_type(model) is None:
         raise UserInputError(f"{path} holds a {type(model).__name__}, not an hf_dspark drafter; pass a drafter.")
     return model if device is None else model.to(resolve_device(device))

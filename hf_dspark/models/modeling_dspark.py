@@ -126,7 +126,8 @@ class DSparkSequentialHead(nn.Module):
         self.kind = config.markov_head
         self.rank = config.markov_rank
         # Rows: draft-vocabulary tokens plus one shared row for tokens outside it, or every target token.
-        rows = config.draft_vocab_size + 1 if config.draft_vocab_size else config.vocab_size
+        compressed = config.draft_vocab_size and not config.markov_w1_full_vocab
+        rows = config.draft_vocab_size + 1 if compressed else config.vocab_size
         self.token_embedding = nn.Embedding(rows, self.rank)
         self.output = nn.Linear(self.rank, config.draft_vocab_size or config.vocab_size, bias=False)
         if self.kind == "gated":
@@ -334,8 +335,9 @@ class DSparkDraftModel(DraftPreTrainedModel):
 
     def head_rows(self, token_ids: torch.LongTensor) -> torch.LongTensor:
         """Rows of the sequential head's W1 for target token ids: their draft-vocabulary index, or the shared
-        out-of-vocabulary row, when the drafter has a draft vocabulary; the ids themselves otherwise."""
-        if self.draft_to_target is None:
+        out-of-vocabulary row, when the drafter has a draft vocabulary (and no `markov_w1_full_vocab`); the ids
+        themselves otherwise."""
+        if self.draft_to_target is None or self.config.markov_w1_full_vocab:
             return token_ids
         key = (self.draft_to_target.data_ptr(), self.draft_to_target._version, token_ids.device)
         if getattr(self, "_head_rows_key", None) != key:

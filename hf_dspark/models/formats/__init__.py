@@ -1,2 +1,122 @@
-"""Drafter checkpoints in other projects' layouts, read into hf_dspark drafters in memory (and written back out):
-DeepSpec's, `vllm-project/speculators`' and z-lab DFlash's. One module per layout."""
+"""Drafter checkpoints in other projects' layouts, read into hf_dspark drafters in memory: DeepSpec's
+(`Qwen3DSparkModel`, `Qwen3Eagle3Model`), `vllm-project/speculators`' (`speculator_model`) and z-lab DFlash's
+(`DFlashDraftModel`). One module per layout, each with `FORMAT`, `matches(config)` and `load(folder, config)`.
+
+`load_layout` is what `DSparkDraftModel.from_pretrained`, `Eagle3DraftModel.from_pretrained` and
+`hf_dspark.AutoDrafter.from_pretrained` call when a folder's config.json is not hf_dspark's own, so every published
+drafter loads with no convert step; `layout_name` lets `generate()` name the loader when such a folder was loaded by
+a stock class instead (`AutoModel` maps DeepSpec's `model_type: qwen3` to a plain `Qwen3Model`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers.utils import logging
+
+from ..common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, DrafterLoadError, UserInputError
+
+logger = logging.get_logger(__name__)
+
+LOADER_CALL = "hf_dspark.AutoDrafter.from_pretrained(path)"
+"""The call that loads every layout; refusals name it."""
+
+_HUB_OPTIONS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision")
+_LOAD_OPTIONS = ("dtype", "torch_dtype", "device_map", "subfolder", "use_safetensors", "trust_remote_code")
+"""The `from_pretrained` options a converted layout honours; anything else is refused, not ignored."""
+
+
+def _layouts():
+    from . import deepspec, speculators, zlab_dflash
+
+    return (deepspec, speculators, zlab_dflash)
+
+
+def layout_of(config: dict):
+    """The format module whose layout `config` (a config.json dict) is in, or None (hf_dspark's own, or none)."""
+    if config.get("model_type") in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
+        return None
+    return next((module for module in _layouts() if module.matches(config)), None)
+
+
+def layout_name(config) -> str | None:
+    """`"DeepSpec (Qwen3DSparkModel)"`-style name of the drafter layout a config (dict or `PreTrainedConfig`)
+    describes, None when it describes no drafter hf_dspark reads."""
+    config = config if isinstance(config, dict) else config.to_dict()
+    module = layout_of(config)
+    if module is None:
+        return None
+    what = config.get("speculators_model_type") or ", ".join(config.get("architectures") or []) or "drafter"
+    return f"{module.FORMAT} ({what})"
+
+
+def read_config(path, options: dict) -> tuple[dict, Path | None]:
+    """(config.json as a dict, the local folder it is in; None for a Hub id not downloaded here)."""
+    folder = Path(path).expanduser() / (options.get("subfolder") or "")
+    if folder.is_dir():
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise DrafterLoadError(f"{folder} has no config.json, so it is not a saved drafter; pass the folder "
+                                   f"save_pretrained() (or the project that made it) wrote.")
+        try:
+            return json.loads(config_file.read_text(encoding="utf-8")), folder
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise DrafterLoadError(f"{config_file} is not valid JSON ({error}); restore the drafter's folder.") \
+                from None
+    from transformers import PreTrainedConfig
+
+    hub = {k: options[k] for k in (*_HUB_OPTIONS, "subfolder") if options.get(k) is not None}
+    config, _ = PreTrainedConfig.get_config_dict(str(path), **hub)
+    return config, None
+
+
+def _local_snapshot(path, options: dict) -> Path:
+    """A Hub repository's config and safetensors files in the local cache (downloaded if needed)."""
+    from huggingface_hub import snapshot_download
+
+    hub = {k: options[k] for k in _HUB_OPTIONS if options.get(k) is not None}
+    folder = snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"], **hub)
+    return Path(folder) / (options.get("subfolder") or "")
+
+
+def load_layout(path, config: dict, module, expected_class=None, **options):
+    """Load the drafter at `path` whose config.json (`config`) is in `module`'s layout, converted in memory;
+    `expected_class` (when a class's own from_pretrained was called) must be what the checkpoint holds."""
+    unknown = sorted(k for k, v in options.items() if k not in (*_HUB_OPTIONS, *_LOAD_OPTIONS) and v is not None)
+    if unknown:
+        raise UserInputError(f"{path} is a {module.FORMAT} checkpoint, converted to hf_dspark's layout while it loads; "
+                             f"these from_pretrained options do not apply to it: {unknown}. Drop them.")
+    if options.get("use_safetensors") is False:
+        raise UserInputError("hf_dspark drafters load weights from safetensors only; drop use_safetensors=False.")
+    folder = Path(path).expanduser() / (options.get("subfolder") or "")
+    if not folder.is_dir():
+        folder = _local_snapshot(path, options)
+    model = module.load(folder, config)
+    if expected_class is not None and not isinstance(model, expected_class):
+        raise DrafterLoadError(f"{path} holds a {module.FORMAT} drafter that loads as {type(model).__name__}, not "
+                               f"{expected_class.__name__}; load it with {LOADER_CALL}, which picks the class.")
+    logger.warning("hf_dspark: %s is a %s checkpoint; converted to %s in memory (nothing written).", path,
+                   layout_name(config), type(model).__name__)
+    return _placed(model, options)
+
+
+def _placed(model, options: dict):
+    dtype = options.get("dtype", options.get("torch_dtype"))
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype, None) if isinstance(getattr(torch, dtype, None), torch.dtype) else dtype
+    if isinstance(dtype, torch.dtype):
+        model = model.to(dtype)
+    elif dtype not in (None, "auto"):
+        raise UserInputError(f"dtype={dtype!r} is not a torch dtype; pass e.g. torch.bfloat16 or 'float32'.")
+    place = options.get("device_map")
+    if isinstance(place, dict):
+        places = set(place.values())
+        if len(places) > 1:
+            raise UserInputError(f"device_map={place!r} spreads the drafter over several devices; a drafter runs "
+                                 "whole beside its target's LM head: pass one device (or none: generate() moves it).")
+        place = next(iter(places), None)
+    if place is not None and place != "auto":
+        model = model.to(place)
+    return model.eval()

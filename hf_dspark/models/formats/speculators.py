@@ -1,0 +1,488 @@
+"""`vllm-project/speculators` drafters (PyPI `speculators`, 0.9.0; the layout vLLM serves natively) read into
+hf_dspark drafters in memory, and hf_dspark drafters written out in that layout.
+
+speculators saves a `SpeculatorModelConfig` (`speculators_model_type` `dspark`, `dflash` or `eagle3`, no usable
+`model_type`) whose nested `transformer_layer_config` is a copy of the verifier's config with the draft depth, and
+weights under these names (ours on the right; every other name is the same on both sides):
+
+    markov_head.markov_w1.weight      sequential_head.token_embedding.weight  (theirs: a row per target token)
+    markov_head.markov_w2.weight      sequential_head.output.weight
+    markov_head.gate_proj.*           sequential_head.gate.*                  (markov_head_type "gated")
+    markov_head.joint_proj.*          sequential_head.cell.*                  (markov_head_type "rnn")
+    confidence_head.proj.*            confidence_proj.*
+    d2t (offsets), t2d (bool mask)    draft_to_target = arange(draft_vocab_size) + d2t
+    embed_tokens / lm_head            the target's, shared: attach_stored_heads when both are stored (Eagle3)
+
+Config: `aux_hidden_state_layer_ids` / `eagle_aux_hidden_state_layer_ids` index HF `hidden_states` (0 is the
+embedding output), ours index decoder layers: ours = theirs - 1. `sample_from_anchor` is the same field on both
+sides (speculators' default: False for dflash, True for dspark). `markov_head_type` vanilla/gated/rnn is our
+`markov_head` markov/gated/rnn with the same formulas, and the confidence head reads [h_k ; W1[x_{k-1}]] on both
+sides; with a draft vocabulary our W1 keeps one row for all the tokens outside it. speculators' block layers are
+always Qwen3-style (per-head q/k norms); its Eagle3 layers are Llama (no q/k norms) or Qwen3 ones, picked by
+`transformer_layer_config.model_type`. Its Eagle3 rows sit at position t + 1 where ours default to t: the same
+attention (rotary angles only enter as differences).
+
+What hf_dspark's drafters do not compute is refused with one error naming the field and what supporting it would
+take, never loaded approximately. Weights load as float32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, PreTrainedConfig
+
+from ..common import DrafterLoadError, UserInputError
+from ..configuration_dspark import DSparkDraftConfig
+from ..configuration_eagle3 import Eagle3DraftConfig
+from ..modeling_dspark import DSparkDraftModel
+from ..modeling_eagle3 import Eagle3DraftModel
+from ..weight_files import check_floating_tensors, checked_weight_files
+
+FORMAT = "speculators"
+WRITTEN_VERSION = "0.9.0"
+_KINDS = ("dspark", "dflash", "eagle3")
+_HEAD_TYPES = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}
+_CLASS_NAMES = {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel", "eagle3": "Eagle3DraftModel"}
+
+# speculators 0.9.0's pydantic defaults, applied as its own from_pretrained applies them to a field left out.
+_DEFAULTS = {"dflash": {"draft_vocab_size": 32000, "block_size": 8, "target_hidden_size": None, "mask_token_id": None,
+                        "aux_hidden_state_layer_ids": None, "sliding_window_non_causal": False,
+                        "sample_from_anchor": False},
+             "eagle3": {"draft_vocab_size": 32000, "norm_before_residual": False, "target_hidden_size": None,
+                        "eagle_aux_hidden_state_layer_ids": None, "norm_before_fc": False, "fc_norm": False,
+                        "norm_output": False, "embed_requires_grad": False}}
+_DEFAULTS["dspark"] = {**_DEFAULTS["dflash"], "sample_from_anchor": True, "markov_rank": 256,
+                       "markov_head_type": "vanilla", "enable_confidence_head": True,
+                       "confidence_head_with_markov": True}
+_BOOKKEEPING = {
+    # speculators' own (versions, the verifier it names, its proposal settings: hf_dspark drafts num_draft_slots
+    # tokens per round and verifies them itself) and transformers' save_pretrained bookkeeping of 4.x and 5.x.
+    "speculators_model_type", "speculators_version", "speculators_config", "transformer_layer_config",
+    "model_type", "architectures", "auto_map", "transformers_version", "dtype", "torch_dtype",
+    "tie_word_embeddings", "_name_or_path", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
+} | set(PreTrainedConfig().to_dict())
+_LAYER_LEGACY = {"rope_theta", "rope_scaling", "torch_dtype", "_name_or_path", "use_cache"}
+_VERIFIER_ONLY = {"verifier_lm_head.weight", "verifier_norm.weight"}  # training targets; never saved by speculators
+_STORED_HEADS = ("embed_tokens.weight", "lm_head.weight")
+_RENAMED = {f"{theirs}.{param}": f"{ours}.{param}" for theirs, ours, params in (
+    ("markov_head.markov_w1", "sequential_head.token_embedding", ["weight"]),
+    ("markov_head.markov_w2", "sequential_head.output", ["weight"]), ("markov_head.gate_proj", "sequential_head.gate",
+    ["weight", "bias"]), ("markov_head.joint_proj", "sequential_head.cell", ["weight", "bias"]),
+    ("confidence_head.proj", "confidence_proj", ["weight", "bias"])) for param in params}
+_OURS_TO_THEIRS = {ours: theirs for theirs, ours in _RENAMED.items()}
+_W1 = "sequential_head.token_embedding.weight"
+_W2 = "sequential_head.output.weight"
+DFLASH2_REFUSAL = (
+    "speculators_model_type 'dflash2' (DFlash2) adds to the DFlash backbone a token-conditioned grouped causal "
+    "convolution inside each draft block in every layer (conv_kernel_size, conv_group_size) and a low-rank candidate "
+    "selector that reranks each slot's top selector_top_k tokens (selector_rank); hf_dspark's DSparkDraftModel has "
+    "neither. Supporting it would take that convolution in DSparkDecoderLayer and a reranking step in the drafting "
+    "core (hf_dspark.generation.drafting.draft_block). Use the checkpoint with vLLM or speculators.")
+
+
+def matches(config: dict) -> bool:
+    """A speculators config.json: it names a `speculators_model_type` (and no model_type of its own)."""
+    return (isinstance(config, dict) and isinstance(config.get("speculators_model_type"), str)
+            and config.get("model_type") in (None, "speculator_model"))
+
+
+def _refuse(source, field: str, problem: str) -> DrafterLoadError:
+    return DrafterLoadError(f"{source}: {field} {problem}")
+
+
+def load(folder: str | Path, config: dict) -> DSparkDraftModel | Eagle3DraftModel:
+    """The drafter in `folder` (config.json already read into `config`), converted in memory, float32, eval mode."""
+    folder = Path(folder)
+    source = folder / "config.json"
+    kind = config.get("speculators_model_type")
+    if kind == "dflash2":
+        raise DrafterLoadError(f"{source}: {DFLASH2_REFUSAL}")
+    if kind not in _KINDS:
+        raise _refuse(source, "speculators_model_type", f"is {kind!r}; hf_dspark reads speculators' "
+                      f"{', '.join(_KINDS)} drafters. Serve this one with vLLM, which reads every speculators type.")
+    settings = {**_DEFAULTS[kind], **config}
+    unknown = sorted(set(config) - set(_DEFAULTS[kind]) - _BOOKKEEPING)
+    if unknown:
+        raise _refuse(source, f"field(s) {unknown}", f"are not part of speculators 0.9.0's {kind} layout and "
+                      "hf_dspark does not know what they change; remove them if they are bookkeeping, else the "
+                      "checkpoint needs a newer hf_dspark.")
+    layer = _layer_config(config, kind, source)
+    shapes = _shape_fields(layer, kind, settings, source)
+    weights = {}
+    for file in checked_weight_files(folder, "speculators drafter"):
+        weights.update(load_file(file))
+    if not weights:
+        raise DrafterLoadError(f"{folder} has no model.safetensors; a speculators checkpoint keeps its weights there.")
+    build = _eagle3_drafter if kind == "eagle3" else _block_drafter
+    drafter, state, heads = build(settings, shapes, weights, source)
+    _load_strictly(drafter, state, source)
+    _attach_stored_heads(drafter, heads, source)
+    return drafter.eval()
+
+
+def _layer_config(config: dict, kind: str, source) -> PreTrainedConfig:
+    """`transformer_layer_config` as the transformers config class speculators instantiates for it."""
+    raw = config.get("transformer_layer_config")
+    if not isinstance(raw, dict):
+        raise _refuse(source, "transformer_layer_config", "is missing: it holds the drafter's layer sizes (a "
+                      "speculators checkpoint always writes it).")
+    model_type = raw.get("model_type", "qwen3")  # speculators' default layer config class is Qwen3Config
+    if kind == "eagle3" and model_type not in ("llama", "qwen3"):
+        raise _refuse(source, "transformer_layer_config.model_type", f"is {model_type!r}; speculators builds Eagle3 "
+                      "layers only for 'llama' and 'qwen3', so this checkpoint is not one it writes.")
+    try:
+        config_class = type(AutoConfig.for_model(model_type))
+    except ValueError:
+        raise _refuse(source, "transformer_layer_config.model_type", f"is {model_type!r}, which transformers does "
+                      "not know.") from None
+    unknown = sorted(set(raw) - set(config_class().to_dict()) - _LAYER_LEGACY)
+    if unknown:
+        raise _refuse(source, f"transformer_layer_config field(s) {unknown}", f"are unknown to transformers' "
+                      f"{config_class.__name__}; hf_dspark does not know what they change.")
+    try:
+        return config_class(**{k: v for k, v in raw.items() if k != "model_type"})
+    except (TypeError, ValueError) as error:
+        raise _refuse(source, "transformer_layer_config", f"is not a valid {config_class.__name__} ({error}).") \
+            from None
+
+
+def _shape_fields(layer, kind: str, settings: dict, source) -> dict:
+    """Our config's fields from the layer config and the top-level settings; refuses what we do not compute."""
+    heads = layer.num_attention_heads
+    rope = dict(getattr(layer, "rope_parameters", None) or {})
+    if isinstance(rope.get("sliding_attention"), dict):  # speculators' flatten_rope_parameters takes this entry
+        rope = dict(rope["sliding_attention"])
+    if float(rope.get("partial_rotary_factor", getattr(layer, "partial_rotary_factor", 1.0) or 1.0)) != 1.0:
+        raise _refuse(source, "transformer_layer_config.partial_rotary_factor", "is not 1: hf_dspark's drafters rotate "
+                      "every channel of each head; supporting it would take a partial rotary embedding there.")
+    types = [t for t in getattr(layer, "layer_types", None) or [] if t != "full_attention"]
+    if types:
+        raise _refuse(source, "transformer_layer_config.layer_types", f"has {sorted(set(types))} layers; hf_dspark's "
+                      "drafter layers attend over the whole context, and supporting sliding-window drafter layers "
+                      "would take a per-layer window in their attention mask and in the drafting core.")
+    if kind == "eagle3" and getattr(layer, "mlp_bias", False):
+        raise _refuse(source, "transformer_layer_config.mlp_bias", "is true; hf_dspark's drafter MLP has no biases.")
+    if settings["target_hidden_size"] not in (None, layer.hidden_size):
+        raise _refuse(source, "target_hidden_size", f"({settings['target_hidden_size']}) differs from the drafter's "
+                      f"hidden_size ({layer.hidden_size}); hf_dspark drafters share their target's width.")
+    vocab, draft_vocab = layer.vocab_size, settings["draft_vocab_size"]
+    if not isinstance(draft_vocab, int) or not 0 < draft_vocab <= vocab:
+        raise _refuse(source, "draft_vocab_size", f"({draft_vocab!r}) must be from 1 to the target's vocab_size "
+                      f"({vocab}).")
+    ids_field = "eagle_aux_hidden_state_layer_ids" if kind == "eagle3" else "aux_hidden_state_layer_ids"
+    ids = settings[ids_field]
+    if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                   for i in ids):
+        raise _refuse(source, ids_field, f"is {ids!r}; it must list the verifier's hidden_states indices the drafter "
+                      "reads (speculators' own default comes from the verifier's depth, unknown here: write them).")
+    if ids != sorted(set(ids)):
+        raise _refuse(source, ids_field, f"is {ids}: vLLM concatenates the verifier's hidden states in layer order, "
+                      "so distinct ascending ids are the only unambiguous ones; sort them (and fc's column blocks).")
+    return {
+        "vocab_size": vocab, "hidden_size": layer.hidden_size, "intermediate_size": layer.intermediate_size,
+        "num_hidden_layers": layer.num_hidden_layers, "num_attention_heads": heads,
+        "num_key_value_heads": getattr(layer, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(layer, "head_dim", None) or layer.hidden_size // heads, "hidden_act": layer.hidden_act,
+        "rms_norm_eps": layer.rms_norm_eps,
+        "max_position_embeddings": getattr(layer, "max_position_embeddings", None) or 32768,
+        "rope_parameters": rope, "attention_bias": bool(getattr(layer, "attention_bias", False)),
+        "qk_norm": kind != "eagle3" or layer.model_type == "qwen3",
+        "target_layer_ids": [i - 1 for i in ids], "draft_vocab_size": draft_vocab if draft_vocab < vocab else None,
+    }
+
+
+def _our_config(config_class, fields: dict, source):
+    try:
+        return config_class(**fields)
+    except (TypeError, ValueError) as error:
+        raise DrafterLoadError(f"{source} describes no valid {config_class.__name__}: {error}") from None
+
+
+def _block_drafter(settings: dict, shapes: dict, weights: dict, source):
+    """A speculators dspark / dflash checkpoint as a DSparkDraftModel, its weights under our names."""
+    is_dspark = settings["speculators_model_type"] == "dspark"
+    rank = int(settings["markov_rank"]) if is_dspark else 0
+    head_type = settings["markov_head_type"] if is_dspark else None
+    confidence = bool(settings["enable_confidence_head"]) if is_dspark else False
+    if rank and head_type not in _HEAD_TYPES:
+        raise _refuse(source, "markov_head_type", f"is {head_type!r}; speculators' heads are {list(_HEAD_TYPES)}.")
+    if confidence and settings["confidence_head_with_markov"] and not rank:
+        raise _refuse(source, "confidence_head_with_markov", "is true with markov_rank 0, which speculators refuses.")
+    if rank and head_type == "rnn" and not settings["sample_from_anchor"]:
+        raise _refuse(source, "markov_head_type 'rnn' with sample_from_anchor false", "is not computed the same way: "
+                      "speculators carries the recurrent state through the unused slot 0, hf_dspark starts it at "
+                      "slot 1. Supporting it would take a DSpark option that starts the state at slot 0.")
+    if settings["mask_token_id"] is None:
+        raise _refuse(source, "mask_token_id", "is missing; write the id the drafter was trained with.")
+    config = _our_config(DSparkDraftConfig, {
+        **shapes, "block_size": settings["block_size"], "sample_from_anchor": bool(settings["sample_from_anchor"]),
+        "mask_token_id": settings["mask_token_id"], "markov_head": _HEAD_TYPES[head_type] if rank else None,
+        "markov_rank": rank, "confidence_head": confidence}, source)
+    state, heads = _renamed(weights, config, source)
+    if _W1 in state and config.draft_vocab_size:
+        compressed = _shared_outside_rows(state[_W1], state["draft_to_target"])
+        if compressed is None:  # rows differ outside the draft vocabulary: keep one per target token, as theirs
+            config = _our_config(DSparkDraftConfig, {**config.to_dict(), "markov_w1_full_vocab": True}, source)
+        else:
+            state[_W1] = compressed
+    if confidence and rank and not settings["confidence_head_with_markov"]:
+        # Their head reads h_k alone; ours also reads W1[x_{k-1}]: zero columns for it give the same logit.
+        proj = state["confidence_proj.weight"]
+        state["confidence_proj.weight"] = torch.cat([proj, proj.new_zeros(proj.shape[0], rank)], dim=1)
+    return DSparkDraftModel(config), state, heads
+
+
+def _eagle3_drafter(settings: dict, shapes: dict, weights: dict, source):
+    """A speculators eagle3 checkpoint as an Eagle3DraftModel."""
+    what_it_takes = {
+        "norm_before_residual": "keeping the normed target feature as the first layer's residual",
+        "norm_before_fc": "an RMSNorm over the concatenated target features before fc",
+        "fc_norm": "an RMSNorm on each target feature before fc",
+        "norm_output": "feeding the normed output state back to the next drafted position",
+        "embed_requires_grad": "a trained input embedding of the drafter's own (hf_dspark shares the target's)",
+    }
+    for field, support in what_it_takes.items():
+        if settings[field]:
+            raise _refuse(source, field, f"is true; hf_dspark's Eagle3DraftModel does not compute it. Supporting it "
+                          f"would take {support} in Eagle3DraftModel.")
+    config = _our_config(Eagle3DraftConfig, {**shapes, "block_size": _speculative_tokens(settings)}, source)
+    state, heads = _renamed(weights, config, source)
+    return Eagle3DraftModel(config), state, heads
+
+
+def _speculative_tokens(settings: dict) -> int:
+    """`speculative_tokens` of the checkpoint's default proposal method (speculators' default: 5)."""
+    proposals = settings.get("speculators_config") or {}
+    wanted = proposals.get("default_proposal_method")
+    for method in proposals.get("proposal_methods") or []:
+        if method.get("proposal_type") == wanted and isinstance(method.get("speculative_tokens"), int):
+            return method["speculative_tokens"]
+    return 5
+
+
+def _renamed(weights: dict, config, source) -> tuple[dict, dict]:
+    """(state dict under our names with draft_to_target, the stored copies of the target's embedding / LM head)."""
+    state, heads = {}, {}
+    for name, tensor in weights.items():
+        if name in _STORED_HEADS:
+            heads[name] = tensor
+        elif name not in _VERIFIER_ONLY and name not in ("d2t", "t2d"):
+            state[_RENAMED.get(name, name)] = tensor
+    vocabulary = _draft_vocabulary(weights, config, source)
+    if vocabulary is not None:
+        state["draft_to_target"] = vocabulary
+    return state, heads
+
+
+def _draft_vocabulary(weights: dict, config, source) -> torch.Tensor | None:
+    """draft_to_target from speculators' d2t offsets (target id = draft index + d2t), checked against t2d."""
+    vocab, size = config.vocab_size, config.draft_vocab_size
+    offsets, mask = weights.get("d2t"), weights.get("t2d")
+    if size is None:
+        if (offsets is not None and bool(offsets.any())) or (mask is not None and not bool(mask.all())):
+            raise _refuse(source, "d2t / t2d", "map a draft vocabulary, but draft_vocab_size equals the vocabulary.")
+        return None
+    if offsets is None:
+        raise _refuse(source, "d2t", f"is not in the weights, but draft_vocab_size is {size}: the draft-to-target "
+                      "offsets are needed (speculators takes them as from_pretrained(d2t=, t2d=)); save them with "
+                      "the checkpoint (model.load_vocab_mappings(t2d, d2t) before save_pretrained).")
+    if offsets.is_floating_point() or tuple(offsets.shape) != (size,):
+        raise _refuse(source, "d2t", f"must be {size} integer offsets, got {offsets.dtype} {tuple(offsets.shape)}.")
+    ids = torch.arange(size) + offsets.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab or ids.unique().numel() != size:
+        raise _refuse(source, "d2t", f"maps draft tokens to ids outside 0..{vocab - 1} or to one id twice.")
+    if mask is not None:
+        expected = torch.zeros(vocab, dtype=torch.bool)
+        expected[ids] = True
+        if tuple(mask.shape) != (vocab,) or not torch.equal(mask.bool(), expected):
+            raise _refuse(source, "t2d", "does not mark exactly the target ids d2t maps to.")
+    return ids
+
+
+def _shared_outside_rows(w1_full: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor | None:
+    """Their W1 (one row per target token) -> our compact one: the draft vocabulary's rows plus the one row every
+    other token shares. None when those rows differ (then W1 stays full: `markov_w1_full_vocab`)."""
+    outside = torch.ones(w1_full.shape[0], dtype=torch.bool)
+    outside[draft_to_target] = False
+    others = w1_full[outside]
+    if len(others) and not torch.equal(others, others[:1].expand_as(others)):
+        return None
+    shared = others[:1] if len(others) else w1_full.new_zeros(1, w1_full.shape[1])
+    return torch.cat([w1_full[draft_to_target], shared])
+
+
+def _load_strictly(drafter, state: dict, source) -> None:
+    expected = drafter.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    theirs = _OURS_TO_THEIRS
+    if missing or unexpected:
+        raise DrafterLoadError(
+            f"{source.parent} does not fit the drafter its config.json describes: missing "
+            f"{[theirs.get(n, n) for n in missing][:8]}, unexpected {[theirs.get(n, n) for n in unexpected][:8]}. "
+            "Re-save it with speculators' save_pretrained, or fix config.json to match the weights.")
+    wrong = [f"{theirs.get(n, n)} {tuple(state[n].shape)} (config: {tuple(t.shape)})"
+             for n, t in expected.items() if state[n].shape != t.shape]
+    if wrong:
+        raise DrafterLoadError(f"{source} does not describe the weights beside it: {'; '.join(wrong[:4])}. Fix "
+                               "config.json (transformer_layer_config, draft_vocab_size, aux layer ids) to match.")
+    check_floating_tensors(state, expected, source.parent, "speculators drafter")
+    drafter.load_state_dict({n: t.to(torch.float32) if t.is_floating_point() else t for n, t in state.items()})
+
+
+def _attach_stored_heads(drafter, heads: dict, source) -> None:
+    """speculators' Eagle3 stores the verifier's embedding and its LM head rows of the draft vocabulary (frozen
+    copies): use them until a target is attached. A block drafter stores at most the LM-head rows, which the target
+    gives again once attached (no embedding: nothing runs without a target then)."""
+    if set(heads) != set(_STORED_HEADS):
+        return
+    embed, head = heads["embed_tokens.weight"].float(), heads["lm_head.weight"].float()
+    rows = drafter.draft_to_target
+    if rows is not None:
+        if head.shape[0] != rows.numel():
+            raise _refuse(source, "lm_head.weight", f"has {head.shape[0]} rows for {rows.numel()} draft tokens.")
+        full = head.new_zeros(drafter.config.vocab_size, head.shape[1])
+        full[rows] = head  # only these rows are ever read (compute_logits slices the draft vocabulary)
+        head = full
+    drafter.attach_stored_heads(embed, head)
+
+
+def export(drafter, folder: str | Path, target=None) -> Path:
+    """Write `drafter` into `folder` as speculators 0.9.0 saves it (config.json + model.safetensors), what its
+    `SpeculatorModel.from_pretrained` and vLLM load. `target` (or the heads the drafter has attached) gives the LM
+    head rows a draft vocabulary needs and Eagle3's embedding / LM head, and is named as the verifier."""
+    if isinstance(drafter, Eagle3DraftModel):
+        kind = "eagle3"
+    elif isinstance(drafter, DSparkDraftModel):
+        kind = "dflash" if drafter.config.is_dflash else "dspark"
+        _check_block_exportable(drafter.config)
+    else:
+        raise UserInputError(f"export to speculators takes a DSparkDraftModel or Eagle3DraftModel, got "
+                             f"{type(drafter).__name__}.")
+    config = drafter.config
+    ids = list(config.target_layer_ids)
+    if len(set(ids)) != len(ids):
+        raise UserInputError(f"target_layer_ids {ids} repeat a layer, which speculators refuses.")
+    if target is not None:
+        drafter.check_compatible(target.config)
+    heads = _export_heads(drafter, target)
+    needs_heads = kind == "eagle3" or config.draft_vocab_size is not None
+    if needs_heads and heads is None:
+        stored = "embedding and LM head" if kind == "eagle3" else "LM-head rows of the draft vocabulary"
+        raise UserInputError(f"a speculators {kind} checkpoint stores its target's {stored}: pass target= (the model "
+                             "the drafter was trained for) or attach the drafter to it first.")
+    tensors = _export_tensors(drafter, heads if needs_heads else None, kind)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    layer_type = "llama" if kind == "eagle3" and not config.qk_norm else "qwen3"
+    document = {**_export_settings(config, kind, sorted(ids)), "speculators_model_type": kind,
+                "transformer_layer_config": _layer_fields(config, layer_type),
+                "speculators_version": WRITTEN_VERSION,
+                "architectures": [_CLASS_NAMES[kind]], "dtype": str(drafter.dtype).removeprefix("torch."),
+                "tie_word_embeddings": False, "speculators_config": _proposal(config, kind, target)}
+    (folder / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return folder
+
+
+def _check_block_exportable(config: DSparkDraftConfig) -> None:
+    reasons = []
+    if not config.qk_norm:
+        reasons.append("qk_norm is false, but speculators' DSpark/DFlash layers always normalise queries and keys")
+    if config.confidence_temperatures is not None:
+        reasons.append("confidence_temperatures (Sequential Temperature Scaling) has no speculators field; set it "
+                       "to None to export the uncalibrated confidence head")
+    if config.markov_head == "rnn" and not config.sample_from_anchor:
+        reasons.append("an rnn head with sample_from_anchor false: speculators runs its state from the unused slot 0")
+    if reasons:
+        raise UserInputError(f"this drafter cannot be written exactly in speculators' layout: {'; '.join(reasons)}.")
+
+
+def _export_heads(drafter, target):
+    if target is not None:
+        return target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    attached = drafter._target_heads
+    return None if attached is None else (attached.embed_tokens.weight, attached.lm_head.weight)
+
+
+def _export_tensors(drafter, heads, kind: str) -> dict:
+    """Our state dict under speculators' names, draft vocabulary ascending (as speculators builds it) and fc's
+    column blocks in ascending target-layer order (as vLLM concatenates the features)."""
+    config, dtype = drafter.config, drafter.dtype
+    state = {name: tensor.detach().cpu() for name, tensor in drafter.state_dict().items()}
+    ids = list(config.target_layer_ids)
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    fc = state["fc.weight"]
+    state["fc.weight"] = fc.view(fc.shape[0], len(ids), -1)[:, order].reshape(fc.shape)
+    vocabulary = state.pop("draft_to_target", None)
+    out = {}
+    if vocabulary is not None:
+        vocabulary, sorting = vocabulary.sort()
+        if _W2 in state:
+            state[_W2] = state[_W2][sorting]
+        if _W1 in state and not config.markov_w1_full_vocab:  # ours: draft rows + one shared row; theirs: per token
+            w1 = state[_W1]
+            full = w1[-1:].expand(config.vocab_size, -1).clone()
+            full[drafter.draft_to_target.cpu()] = w1[:-1]
+            state[_W1] = full
+        out["d2t"] = vocabulary - torch.arange(vocabulary.numel())
+        out["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, vocabulary, True)
+    if heads is not None:
+        embed, head = (h.detach().to("cpu", dtype) for h in heads)
+        out["lm_head.weight"] = head if vocabulary is None else head[vocabulary]
+        if kind == "eagle3":
+            out["embed_tokens.weight"] = embed
+    out.update({_OURS_TO_THEIRS.get(name, name): tensor for name, tensor in state.items()})
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def _export_settings(config, kind: str, ids: list[int]) -> dict:
+    aux = [i + 1 for i in ids]
+    draft_vocab = config.draft_vocab_size or config.vocab_size
+    if kind == "eagle3":
+        return {"draft_vocab_size": draft_vocab, "eagle_aux_hidden_state_layer_ids": aux, "target_hidden_size": None,
+                "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+                "embed_requires_grad": False}
+    settings = {"draft_vocab_size": draft_vocab, "aux_hidden_state_layer_ids": aux, "block_size": config.block_size,
+                "mask_token_id": config.mask_token_id, "sample_from_anchor": config.sample_from_anchor,
+                "target_hidden_size": None, "sliding_window_non_causal": False}
+    if kind == "dspark":
+        head = config.markov_head
+        settings.update({"markov_rank": config.markov_rank if head else 0,
+                         "markov_head_type": {v: k for k, v in _HEAD_TYPES.items()}.get(head, "vanilla"),
+                         "enable_confidence_head": config.confidence_head,
+                         "confidence_head_with_markov": bool(config.confidence_head and head)})
+    return settings
+
+
+def _layer_fields(config, model_type: str) -> dict:
+    """The `transformer_layer_config` speculators builds the drafter's layers from (the draft depth and sizes)."""
+    fields = {"model_type": model_type, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+              "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+              "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+              "head_dim": config.head_dim, "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps,
+              "max_position_embeddings": config.max_position_embeddings,
+              "rope_parameters": dict(config.rope_parameters), "attention_bias": config.attention_bias,
+              "tie_word_embeddings": False}
+    if model_type == "qwen3":
+        fields.update({"use_sliding_window": False, "sliding_window": None,
+                       "layer_types": ["full_attention"] * config.num_hidden_layers})
+    else:
+        fields["mlp_bias"] = False
+    return fields
+
+
+def _proposal(config, kind: str, target) -> dict:
+    """speculators_config: greedy proposals of the drafter's tokens per round; the verifier is `target`."""
+    name = (getattr(target, "name_or_path", None) or None) if target is not None else None
+    architectures = list(getattr(target.config, "architectures", None) or []) if target is not None else []
+    return {"algorithm": kind, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.num_draft_slots,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": name, "architectures": architectures}}
+
+
+__all__ = ["FORMAT", "export", "load", "matches"]
