@@ -1,6 +1,7 @@
 """z-lab DFlash drafters (the `dflash` package from PyPI, run as installed) read by
 `hf_dspark.models.formats.zlab_dflash`: the same per-slot draft logits, the same greedy tokens and acceptance as
-z-lab's own `spec_generate` loop, and every feature hf_dspark does not build refused by name."""
+z-lab's own `spec_generate` loop, with and without z-lab's optional settings (soft-capped logits, a scaled input
+embedding, in-block causal and sliding-window layers), and every feature hf_dspark does not build refused by name."""
 
 import json
 import pickle
@@ -16,26 +17,26 @@ from transformers import Qwen3Config
 
 import hf_dspark  # also routes generate(assistant_model=...) to hf_dspark's loop
 from conftest import tiny_drafter, tiny_target
-from hf_dspark.models.common import DrafterLoadError
+from hf_dspark.models.common import DraftContextCache, DrafterLoadError
 from hf_dspark.models.formats import zlab_dflash
 
 VOCAB, BLOCK, MASK = 128, 4, 5
 STICKY = 7  # a token the designed target often goes to and the drafter drafts (see `_agreeing_pair`)
 
 
-def _zlab_config(**dflash_config) -> Qwen3Config:
+def _zlab_config(top_level: dict | None = None, **dflash_config) -> Qwen3Config:
     settings = {"mask_token_id": MASK, "target_layer_ids": [0, 2], "block_size": BLOCK, **dflash_config}
     return Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                        initializer_range=0.2, num_target_layers=4, dflash_config=settings,
-                       architectures=["DFlashDraftModel"])
+                       architectures=["DFlashDraftModel"], **(top_level or {}))
 
 
-def _zlab_drafter(seed: int = 1, **dflash_config) -> DFlashDraftModel:
+def _zlab_drafter(seed: int = 1, top_level: dict | None = None, **dflash_config) -> DFlashDraftModel:
     """z-lab's own class with random weights, the norms too (init leaves them at 1, which would hide a misplaced
-    norm)."""
+    norm); `top_level` Qwen3Config fields (is_causal, layer_types, ...) and `dflash_config` settings."""
     torch.manual_seed(seed)
-    drafter = DFlashDraftModel(_zlab_config(**dflash_config)).eval()
+    drafter = DFlashDraftModel(_zlab_config(top_level, **dflash_config)).eval()
     with torch.no_grad():
         for name, param in drafter.named_parameters():
             if name.endswith("norm.weight"):
@@ -71,12 +72,31 @@ def _context(target, length: int, seed: int = 5):
 
 def _zlab_slot_logits(drafter, target, features, block, first_position: int = 0):
     """z-lab's draft logits of slots 1..B-1 (the slots its loop reads), context at positions from
-    `first_position`."""
+    `first_position`, the block embedded as its loop embeds it (raw rows times input_embedding_scale)."""
     positions = torch.arange(first_position, first_position + features.shape[1] + block.shape[1])[None]
+    scale = float(zlab._draft_value(drafter.config, "input_embedding_scale", 1.0))
     with torch.no_grad():
-        hidden = drafter(position_ids=positions, noise_embedding=target.get_input_embeddings()(block),
+        hidden = drafter(position_ids=positions, noise_embedding=zlab._raw_input_embeddings(target, block, scale),
                          target_hidden=features)
         return drafter.compute_logits(hidden[:, 1:], target.lm_head)
+
+
+def _our_slot_logits(ours, features, block, layout: str = "fresh"):
+    """Our draft logits of slots 1..B-1 for the same context: positions from 0 ("fresh") or from 9 ("shifted") in one
+    call, or ("cached") the first context rows projected into a cache by an earlier call, as generation does."""
+    first_position = 9 if layout == "shifted" else 0
+    context_positions = torch.arange(first_position, first_position + features.shape[1])[None]
+    block_positions = torch.arange(BLOCK)[None] + context_positions[:, -1:] + 1
+    with torch.no_grad():
+        if layout != "cached":
+            out = ours(input_ids=block, target_hidden_states=features, context_position_ids=context_positions,
+                       position_ids=block_positions)
+        else:
+            cache = DraftContextCache()
+            # 7 of 8 context rows cached: a sliding layer's window (2-3 positions) then reaches into the cache
+            ours(input_ids=block, target_hidden_states=features[:, :7], cache=cache)
+            out = ours(input_ids=block, target_hidden_states=features[:, 7:], cache=cache)
+    return out.logits[:, ours.config.first_draft_slot:]
 
 
 def test_matches_zlab_configs_only(saved, target):
@@ -98,16 +118,67 @@ def test_per_slot_logits_match_zlab(tmp_path, target, output_multiplier, first_p
     assert (config.target_layer_ids, config.mask_token_id, config.block_size) == ([0, 2], MASK, BLOCK)
     assert config.target_num_hidden_layers == 4 and ours.dtype == torch.float32 and not ours.training
 
+    assert config.drafting_options == {}  # none of z-lab's optional settings: a plain DFlash drafter
+
     ours.attach_target(target)
     features, block = _context(target, length=9)
-    context_positions = torch.arange(first_position, first_position + features.shape[1])[None]
-    block_positions = torch.arange(BLOCK)[None] + context_positions[:, -1:] + 1
-    with torch.no_grad():
-        mine = ours(input_ids=block, target_hidden_states=features, context_position_ids=context_positions,
-                    position_ids=block_positions).logits[:, config.first_draft_slot:]
+    mine = _our_slot_logits(ours, features, block, "shifted" if first_position else "fresh")
     expected = _zlab_slot_logits(theirs, target, features, block, first_position)
     assert mine.shape == expected.shape == (1, BLOCK - 1, VOCAB)
     torch.testing.assert_close(mine, expected, atol=1e-5, rtol=0)
+
+
+_SLIDING = {"use_sliding_window": True, "sliding_window": 3}
+SUPPORTED = {  # z-lab's settings (top-level Qwen3Config fields, dflash_config) -> what our config holds
+    "softcapping": ({}, {"final_logit_softcapping": 2.0}, {"final_logit_softcapping": 2.0}),
+    "embedding_scale": ({}, {"input_embedding_scale": 3.0}, {"input_embedding_scale": 3.0}),
+    "causal": ({"is_causal": True}, {}, {"block_causal": True}),
+    "sliding": ({"is_causal": False, **_SLIDING, "layer_types": ["sliding_attention", "full_attention"]}, {},
+                {"block_causal": False, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}),
+    # is_causal unset: z-lab makes its sliding layers block-causal and leaves the full ones bidirectional
+    "sliding_causal": ({**_SLIDING, "layer_types": ["full_attention", "sliding_attention"]}, {},
+                       {"block_causal": [False, True], "layer_types": ["full_attention", "sliding_attention"],
+                        "sliding_window": 3}),
+    # sliding layers without use_sliding_window: Qwen3Config drops the window, z-lab still makes them causal
+    "sliding_no_window": ({"layer_types": ["sliding_attention", "full_attention"]}, {},
+                          {"block_causal": [True, False], "layer_types": None, "sliding_window": None}),
+    "everything": ({"is_causal": True, "use_sliding_window": True, "sliding_window": 2,
+                    "layer_types": ["sliding_attention", "sliding_attention"]},
+                   {"final_logit_softcapping": 2.0, "input_embedding_scale": 0.5, "output_multiplier": 1.5},
+                   {"block_causal": True, "sliding_window": 2, "final_logit_softcapping": 2.0,
+                    "input_embedding_scale": 0.5}),
+}
+
+
+@pytest.mark.parametrize("layout", ["fresh", "shifted", "cached"])
+@pytest.mark.parametrize("case", sorted(SUPPORTED))
+def test_optional_settings_match_zlab_per_slot(tmp_path, target, case, layout):
+    top_level, nested, fields = SUPPORTED[case]
+    theirs = _zlab_drafter(top_level=top_level, **nested)
+    ours = zlab_dflash.load(*_saved(theirs, tmp_path))
+    assert {name: getattr(ours.config, name) for name in fields} == fields
+    ours.attach_target(target)
+    features, block = _context(target, length=9)
+    expected = _zlab_slot_logits(theirs, target, features, block, 9 if layout == "shifted" else 0)
+    torch.testing.assert_close(_our_slot_logits(ours, features, block, layout), expected, atol=1e-5, rtol=0)
+
+    # The setting matters: z-lab's drafter without it drafts other logits from the same weights.
+    without = DFlashDraftModel(_zlab_config(**{k: v for k, v in nested.items() if k == "output_multiplier"})).eval()
+    without.load_state_dict(theirs.state_dict())
+    assert not torch.allclose(_zlab_slot_logits(without, target, features, block), expected, atol=1e-3)
+
+
+def test_scaled_embedding_is_the_raw_rows_scaled_in_the_targets_dtype(tmp_path):
+    """z-lab multiplies the embedding weight's rows, in the target's dtype, and never calls the target's embedding
+    module (Gemma's scales its rows by sqrt(hidden_size) itself)."""
+    gemma = tiny_target("gemma3", vocab_size=VOCAB).to(torch.bfloat16)
+    ours = zlab_dflash.load(*_saved(_zlab_drafter(input_embedding_scale=3.0), tmp_path))
+    ours.attach_target(gemma)
+    ids = torch.randint(2, VOCAB, (2, BLOCK), generator=torch.Generator().manual_seed(0))
+    raw = zlab._raw_input_embeddings(gemma, ids, 3.0)
+    embedded = ours.embed(ids)
+    assert raw.dtype == embedded.dtype == torch.bfloat16 and torch.equal(embedded, raw)
+    assert not torch.allclose(embedded.float(), gemma.get_input_embeddings()(ids).float() * 3.0)
 
 
 def test_bfloat16_checkpoint_loads_as_float32_of_the_stored_values(tmp_path):
@@ -119,14 +190,14 @@ def test_bfloat16_checkpoint_loads_as_float32_of_the_stored_values(tmp_path):
         assert tensor.dtype == torch.float32 and torch.equal(tensor, stored[name].float()), name
 
 
-def _agreeing_pair(target_seed: int = 0):
+def _agreeing_pair(target_seed: int = 0, top_level: dict | None = None, **dflash_config):
     """A tiny Qwen3 target and a z-lab drafter that agree often enough for non-trivial acceptance, without training:
     both nearly skip their layers (attention and MLP outputs scaled down), so each predicts mostly from its input
     token's embedding; the target's LM-head row STICKY points at the embeddings of MASK and a few other tokens, so
     the target often goes to STICKY next and the drafter (whose mask slots read MASK's embedding) drafts STICKY. The
     layers' small outputs stay, so every draft logit still depends on the context and the positions."""
     target = tiny_target("qwen3", vocab_size=VOCAB, seed=target_seed)
-    drafter = _zlab_drafter()
+    drafter = _zlab_drafter(top_level=top_level, **dflash_config)
     with torch.no_grad():
         for model, factor in ((target, 0.02), (drafter, 0.002)):
             for name, param in model.named_parameters():
@@ -148,9 +219,13 @@ def _latest_new_token(sequence: torch.LongTensor, prompt_length: int) -> tuple[i
     return token, new.index(token)
 
 
+# "sliding_no_window" is left out: z-lab's own loop cannot run it (transformers' DynamicCache wants the window of
+# its sliding layers); its per-slot logits are compared above.
+@pytest.mark.parametrize("case", ["plain", *sorted(set(SUPPORTED) - {"sliding_no_window"})])
 @pytest.mark.parametrize("with_stop_token", [False, True])
-def test_greedy_generation_matches_zlab_spec_generate(tmp_path, monkeypatch, with_stop_token):
-    target, theirs = _agreeing_pair()
+def test_greedy_generation_matches_zlab_spec_generate(tmp_path, monkeypatch, with_stop_token, case):
+    top_level, nested, _ = SUPPORTED.get(case, ({}, {}, {}))
+    target, theirs = _agreeing_pair(top_level=top_level, **nested)
     ours = zlab_dflash.load(*_saved(theirs, tmp_path))
     ours.round_planning = False  # draft the full block every round, as z-lab does
     ours.suffix_drafting = False
@@ -177,6 +252,7 @@ def test_greedy_generation_matches_zlab_spec_generate(tmp_path, monkeypatch, wit
         mine = target.generate(prompt, assistant_model=ours, do_sample=False, max_new_tokens=24)
         assert torch.equal(run.output_ids, expected)
         assert torch.equal(mine, expected)
+        assert torch.equal(mine, target.generate(prompt, do_sample=False, max_new_tokens=24))
 
         # z-lab shrinks its block near max_length (fewer slots, so other drafts); compare its full-block rounds.
         full = [block for block in theirs_blocks if block.shape[1] == BLOCK]
@@ -221,13 +297,10 @@ def test_draft_settings_are_read_as_zlab_reads_them(tmp_path, case):
 
 
 REFUSED = {
-    "softcapping": ({"dflash_config": {"final_logit_softcapping": 20.0}}, "final_logit_softcapping=20.0"),
-    "embedding_scale": ({"dflash_config": {"input_embedding_scale": 8.0}}, "input_embedding_scale=8.0"),
-    "causal": ({"is_causal": True}, "is_causal=True"),
-    "sliding": ({"is_causal": False, "use_sliding_window": True, "sliding_window": 3,
-                 "layer_types": ["sliding_attention", "full_attention"]}, "sliding_window=3"),
-    "sliding_causal": ({"use_sliding_window": True, "sliding_window": 3,
-                        "layer_types": ["sliding_attention", "sliding_attention"]}, "is_causal=None"),
+    "chunked_layers": ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
+    "is_causal_not_bool": ({"is_causal": "yes"}, "is_causal='yes'"),
+    "no_window": ({"use_sliding_window": True, "sliding_window": 0,
+                   "layer_types": ["sliding_attention", "full_attention"]}, "sliding_window"),
     "dflash2": ({"architectures": ["DFlash2DraftModel"], "dflash_config": {
         "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}}, "DFlash2"),
     "unknown_setting": ({"dflash_config": {"sample_from_anchor": True}}, "'sample_from_anchor'"),
@@ -250,20 +323,6 @@ def test_unsupported_fields_are_refused_by_name(saved, case):
     with pytest.raises(DrafterLoadError, match="config.json") as error:
         zlab_dflash.load(folder, _with(config, change))
     assert named in str(error.value)
-
-
-@pytest.mark.parametrize("case", ["causal", "sliding", "sliding_causal", "softcapping"])
-def test_refused_settings_change_zlab_drafts(saved, target, case):
-    """Why they are refused: z-lab's own drafter computes other logits with them, from the same weights."""
-    folder, config = saved
-    base = DFlashDraftModel(Qwen3Config.from_dict(config)).eval()
-    changed = DFlashDraftModel(Qwen3Config.from_dict(_with(config, REFUSED[case][0]))).eval()
-    weights = load_file(folder / "model.safetensors")
-    base.load_state_dict(weights)
-    changed.load_state_dict(weights)
-    features, block = _context(target, length=9)
-    assert not torch.allclose(_zlab_slot_logits(base, target, features, block),
-                              _zlab_slot_logits(changed, target, features, block), atol=1e-3)
 
 
 def test_dflash2_checkpoint_is_refused(tmp_path):

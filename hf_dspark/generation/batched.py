@@ -184,9 +184,12 @@ def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor,
     context_valid = torch.cat([rows.draft_valid, rows.pending_valid], dim=1)
     mask = torch.cat([context_valid[:, None, :].expand(-1, width, -1),
                       context_valid.new_ones(num_rows, width, width)], dim=-1)[:, None]
+    # Positions count real tokens, so a cached column's is the number of real columns before it (block-causal and
+    # sliding-window drafter layers compare positions; holes are masked anyway).
     out = drafter(input_ids=block, target_hidden_states=rows.pending,
                   position_ids=rows.target_length[:, None] + torch.arange(width, device=device),
-                  context_position_ids=rows.pending_positions, attention_mask=mask, cache=rows.draft_cache)
+                  context_position_ids=rows.pending_positions, attention_mask=mask, cache=rows.draft_cache,
+                  cached_position_ids=rows.draft_valid.long().cumsum(dim=1) - 1)
     rows.draft_valid = context_valid  # the queued context is in the cache now; verification queues the next
     tokens, probs, confidences = draft_block(drafter, out, rows.anchor, slots, sampling, generator)
     return Drafts(tokens, probs, rule.lengths(confidences, budget), confidences)

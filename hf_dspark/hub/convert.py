@@ -54,6 +54,7 @@ from ..models.common import (
     EMBEDDING_OUTPUT,
     DrafterLoadError,
     DrafterTargetMismatchError,
+    UserInputError,
     drafter_type,
     target_text_config,
 )
@@ -203,6 +204,13 @@ def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | 
         raise ValueError("DeepSpec's Eagle3 feeds every layer [embedding ; hidden]; only 1-layer drafters export")
     if getattr(config, "confidence_temperatures", None) is not None:
         raise ValueError("DeepSpec's layout has no per-slot confidence temperatures; they would be lost")
+    options = getattr(config, "drafting_options", {})
+    if options:
+        raise UserInputError(
+            f"DeepSpec's layout cannot express {options}: its Qwen3DSparkModel (and vLLM, SGLang and llama.cpp reading "
+            "it) drafts with uncapped logits, the target's embedding module and full, bidirectional attention in every "
+            "layer, so this drafter would draft differently there. Keep it in hf_dspark's layout (save_pretrained) "
+            "and load it with hf_dspark.AutoDrafter.from_pretrained(path).")
     for warning in export_warnings(config):
         logger.warning("%s export: %s", type(drafter).__name__, warning)
     draft_ids = drafter.draft_to_target

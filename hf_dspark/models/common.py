@@ -720,14 +720,34 @@ class DraftPreTrainedModel(PreTrainedModel):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The target's input embeddings of ``input_ids``, on the drafter's device: with a `device_map` the target's
-        embedding may sit on another device than its LM head, beside which the drafter runs (`attach_target`)."""
+        embedding may sit on another device than its LM head, beside which the drafter runs (`attach_target`).
+        With `config.input_embedding_scale` (z-lab DFlash's setting), the embedding weight's raw rows times that
+        scale, multiplied in the weight's dtype as z-lab does, bypassing any scaling inside the target's module."""
         embedding = self.target_heads.embed_tokens
+        scale = getattr(self.config, "input_embedding_scale", None)
         if embedding.weight.device.type != "meta":  # meta: an offloading hook moves the ids itself
             input_ids = input_ids.to(embedding.weight.device)
+        elif scale is not None:
+            raise DrafterTargetMismatchError(
+                "this drafter embeds with its target's raw embedding rows (input_embedding_scale), but the target's "
+                "embedding is offloaded (meta device); load the target with its embedding on a device.")
+        if scale is not None:
+            return (nn.functional.embedding(input_ids, embedding.weight) * float(scale)).to(self.device)
         return embedding(input_ids).to(self.device)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits over the drafter's output vocabulary (the draft vocabulary if set) from final normed states."""
+        """The drafter's logits over its output vocabulary (the draft vocabulary if set) from final normed states:
+        the target's LM head, soft-capped to `cap * tanh(logits / cap)` when `config.final_logit_softcapping` is
+        set."""
+        logits = self.lm_head_logits(hidden_states)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / float(cap)) * float(cap)  # z-lab's expression, bit for bit
+        return logits
+
+    def lm_head_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The target's LM head over the drafter's output vocabulary, nothing of the drafter's own on top: what
+        training reads the target's own distribution with (the target's final states through its LM head)."""
         heads = self.target_heads
         weight = heads.lm_head.weight
         if self.draft_to_target is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 from huggingface_hub.dataclasses import strict
@@ -17,6 +18,7 @@ from .common import (
 )
 
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 # DeepSpec's published drafter settings per target (5 layers, block 7, Markov rank 256, confidence head).
@@ -96,6 +98,19 @@ class DSparkDraftConfig(PreTrainedConfig):
         deepspec_fields (`dict`, *optional*): Fields of an imported DeepSpec config.json that hf_dspark does not
             use (e.g. `num_anchors`, DeepSpec's loss settings), written back unchanged by `hf-dspark convert` when
             the drafter is exported again.
+        final_logit_softcapping (`float`, *optional*): Soft-cap the drafter's logits to `cap * tanh(logits / cap)`
+            (z-lab DFlash's setting of that name); `None` leaves them as the LM head gives them.
+        input_embedding_scale (`float`, *optional*): Embed the block with the target's raw embedding rows times this
+            scale (z-lab DFlash's setting: the weight rows, not the target's embedding module, which may scale them
+            itself, as Gemma's does); `None` embeds through the target's embedding module.
+        block_causal (`bool` or `list[bool]`): In-block causal attention: slot j sees the context and block slots
+            0..j only, in every layer (`True`) or in the layers whose entry is True. False (the default): every slot
+            sees its whole block.
+        layer_types (`list[str]`, *optional*): Per layer `"full_attention"` (the whole context) or
+            `"sliding_attention"` (with `sliding_window`: a query at position q sees keys at positions p with
+            q - p < sliding_window, and unless the layer is block-causal also p - q < sliding_window, as z-lab's
+            DFlash measures it). `None`: every layer is full attention.
+        sliding_window (`int`, *optional*): The window of the `"sliding_attention"` layers.
         initializer_range (`float`): Std of the normal initialiser.
     """
 
@@ -138,6 +153,11 @@ class DSparkDraftConfig(PreTrainedConfig):
     suffix_drafting: bool = False
     confidence_threshold_rule: str = "cumulative"
     deepspec_fields: dict | None = None
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float | None = None
+    block_causal: bool | list[bool] = False
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
@@ -177,11 +197,57 @@ class DSparkDraftConfig(PreTrainedConfig):
         if self.confidence_threshold_rule not in CONFIDENCE_THRESHOLD_RULES:
             raise ValueError(f"confidence_threshold_rule must be one of {CONFIDENCE_THRESHOLD_RULES}, got "
                              f"{self.confidence_threshold_rule!r}")
+        self._validate_drafting_options()
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size}) "
                 f"and be a multiple of num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    def _validate_drafting_options(self):
+        cap, scale = self.final_logit_softcapping, self.input_embedding_scale
+        if cap is not None and not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"final_logit_softcapping must be a positive finite number or None (off), got {cap}")
+        if scale is not None and not math.isfinite(scale):
+            raise ValueError(f"input_embedding_scale must be a finite number or None (off), got {scale}")
+        layers = self.num_hidden_layers
+        if isinstance(self.block_causal, list) and len(self.block_causal) != layers:
+            raise ValueError(f"block_causal needs one entry per layer ({layers}), got {self.block_causal}")
+        if self.layer_types is not None:
+            unknown = sorted(set(self.layer_types) - set(ATTENTION_LAYER_TYPES))
+            if unknown or len(self.layer_types) != layers:
+                raise ValueError(f"layer_types needs one of {ATTENTION_LAYER_TYPES} per layer ({layers}), got "
+                                 f"{self.layer_types}")
+        sliding = self.layer_types is not None and "sliding_attention" in self.layer_types
+        if sliding != (self.sliding_window is not None) or (sliding and self.sliding_window < 1):
+            raise ValueError(f"sliding_window ({self.sliding_window}) must be a positive window exactly when "
+                             f"layer_types has sliding_attention layers (layer_types={self.layer_types})")
+
+    @property
+    def layer_attention(self) -> list[tuple[bool, int | None]]:
+        """Per layer (block-causal, sliding window or None): how far each layer's block queries see."""
+        layers = self.num_hidden_layers
+        causal = self.block_causal if isinstance(self.block_causal, list) else [self.block_causal] * layers
+        types = self.layer_types or ["full_attention"] * layers
+        return [(bool(causal_layer), self.sliding_window if kind == "sliding_attention" else None)
+                for causal_layer, kind in zip(causal, types)]
+
+    @property
+    def restricts_attention(self) -> bool:
+        """Whether some layer is block-causal or sliding-window: its masks then depend on the keys' positions."""
+        return any(causal or window is not None for causal, window in self.layer_attention)
+
+    @property
+    def drafting_options(self) -> dict[str, Any]:
+        """The optional drafting settings this config turns on (soft-capped logits, a scaled raw input embedding,
+        in-block causal or sliding-window attention), {field: value}; empty for a plain DSpark / DFlash drafter.
+        Exports to layouts without these fields refuse a drafter that has any."""
+        options = {"final_logit_softcapping": self.final_logit_softcapping,
+                   "input_embedding_scale": self.input_embedding_scale,
+                   "block_causal": self.block_causal if any(causal for causal, _ in self.layer_attention) else None,
+                   "layer_types": self.layer_types if self.sliding_window is not None else None,
+                   "sliding_window": self.sliding_window}
+        return {name: value for name, value in options.items() if value is not None}
 
     @property
     def first_draft_slot(self) -> int:

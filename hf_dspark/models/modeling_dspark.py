@@ -46,7 +46,7 @@ class DSparkDraftOutput(ModelOutput):
 
 class DSparkAttention(nn.Module):
     """Queries come from the block; keys and values are the projected context followed by the block itself.
-    Inside the block attention is bidirectional."""
+    Inside the block attention is bidirectional unless the layer is block-causal (`config.layer_attention`)."""
 
     def __init__(self, config: DSparkDraftConfig, layer_idx: int):
         super().__init__()
@@ -253,6 +253,7 @@ class DSparkDraftModel(DraftPreTrainedModel):
         previous_token_ids: torch.LongTensor | None = None,
         logits_mask: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        cached_position_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> DSparkDraftOutput:
         r"""
@@ -266,6 +267,7 @@ class DSparkDraftModel(DraftPreTrainedModel):
             Positions of the new context rows (default: right after the cached rows).
         attention_mask (`torch.BoolTensor` of shape `(batch, 1, block_len, cached + context_len + block_len)`, *optional*):
             True where a slot may attend. `None` lets every slot see all context and its whole block (inference).
+            Block-causal and sliding-window layers (`config.layer_attention`) narrow it by position, per layer.
         cache ([`DraftContextCache`], *optional*):
             Context keys/values from earlier calls; new context rows are appended to it.
         previous_token_ids (`torch.LongTensor` of shape `(batch, block_len)`, *optional*):
@@ -276,6 +278,8 @@ class DSparkDraftModel(DraftPreTrainedModel):
             shape `(num_selected, vocab)` in row-major order.
         use_cache (`bool`, *optional*):
             Create a cache when none is passed.
+        cached_position_ids (`torch.LongTensor` of shape `(batch, cached)`, *optional*):
+            Positions of the rows in `cache` (default 0, 1, ...); read by block-causal and sliding-window layers.
         """
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids)
@@ -296,8 +300,9 @@ class DSparkDraftModel(DraftPreTrainedModel):
         block_rope = self.rotary_emb(position_ids, hidden_states.dtype)
         context_rope = self.rotary_emb(context_position_ids, hidden_states.dtype) if context is not None else None
 
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, context, block_rope, context_rope, attention_mask, cache)
+        masks = self._attention_masks(attention_mask, position_ids, context_position_ids, cached_position_ids, past)
+        for layer, mask in zip(self.layers, masks):
+            hidden_states = layer(hidden_states, context, block_rope, context_rope, mask, cache)
         hidden_states = self.norm(hidden_states)
 
         selected = hidden_states if logits_mask is None else hidden_states[logits_mask]
@@ -318,6 +323,33 @@ class DSparkDraftModel(DraftPreTrainedModel):
             last_hidden_state=hidden_states,
             cache=cache,
         )
+
+    def _attention_masks(self, attention_mask, position_ids, context_position_ids, cached_position_ids, past: int):
+        """Each layer's mask for a forward pass (see `layer_masks`); a plain drafter's is `attention_mask` itself."""
+        if not self.config.restricts_attention:
+            return [attention_mask] * len(self.layers)
+        if cached_position_ids is None:  # a cache filled from position 0 without gaps, as at batch 1
+            cached_position_ids = torch.arange(past, device=position_ids.device).expand(position_ids.shape[0], -1)
+        key_positions = torch.cat([cached_position_ids, context_position_ids, position_ids], dim=1)
+        return self.layer_masks(attention_mask, position_ids, key_positions)
+
+    def layer_masks(self, attention_mask: torch.Tensor | None, query_positions: torch.LongTensor,
+                    key_positions: torch.LongTensor) -> list[torch.Tensor | None]:
+        """Each layer's attention mask: `attention_mask` (None = everything visible), narrowed in a block-causal
+        layer to keys at positions p <= q and in a sliding layer to q - p < window (and, unless causal, p - q <
+        window), q the query's position: z-lab DFlash's rule. Context keys precede every slot of their block, so
+        only block keys (and, in a window, distant context) drop out; a slot always sees itself."""
+        settings = self.config.layer_attention
+        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
+        masks = {}
+        for causal, window in set(settings):
+            visible = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
+            if window is not None:
+                visible = visible & (distance < window)
+                if not causal:
+                    visible = visible & (distance > -window)
+            masks[causal, window] = visible if attention_mask is None else visible & attention_mask
+        return [masks[setting] for setting in settings]
 
     def _teacher_forced_head(self, hidden_states, previous_token_ids):
         """Run the sequential head over packed blocks of `block_size` slots (the RNN state restarts per block, at

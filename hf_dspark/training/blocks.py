@@ -4,7 +4,9 @@ For an anchor at position a, the block is `[x_a, MASK x (B-1)]` at positions a..
 the token at a+k+1 (`first_slot` 0, DeepSpec's and ours) or at a+k for k >= 1 (`first_slot` 1, slot 0 unused: the
 `sample_from_anchor: false` convention) while that token, and every earlier label of the block, lies in the answer.
 The block's queries see context rows strictly before the anchor and every slot of their own block, which is
-exactly what the drafter sees at inference (the anchor's own target state does not exist yet then).
+exactly what the drafter sees at inference (the anchor's own target state does not exist yet then). A drafter with
+block-causal or sliding-window layers narrows this mask per layer by position (`DSparkDraftModel.layer_masks`, the
+one rule inference uses too): `position_ids` are the slots' true positions and context row i is at position i.
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ class DSparkTrainer(AtomicCheckpointSaves, Trainer):
         argmax (only the draft-vocabulary rows of the LM head are evaluated), or from full logits online."""
         states = final[rows, positions]
         if "target_logsumexp" in inputs:
-            draft_logits = drafter.compute_logits(states.to(drafter.dtype))
+            draft_logits = drafter.lm_head_logits(states.to(drafter.dtype))  # the target's, never soft-capped
             return TargetDistribution.from_cache(draft_logits, inputs["target_logsumexp"][rows, positions],
                                                  inputs["target_argmax"][rows, positions])
         logits = drafter.target_heads.lm_head(states).float()

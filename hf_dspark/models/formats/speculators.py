@@ -397,6 +397,12 @@ def _check_block_exportable(config: DSparkDraftConfig) -> None:
                        "to None to export the uncalibrated confidence head")
     if config.markov_head == "rnn" and not config.sample_from_anchor:
         reasons.append("an rnn head with sample_from_anchor false: speculators runs its state from the unused slot 0")
+    if config.drafting_options:
+        # speculators 0.9.0 has no logit soft-capping or input embedding scale; its sliding windows are measured from
+        # the anchor (the same for every slot of a block) and its full-attention layers are never block-causal.
+        reasons.append(f"{config.drafting_options} have no speculators equivalent (no soft-capping or embedding scale; "
+                       "its sliding windows count from the block's anchor and its full-attention layers are always "
+                       "bidirectional); keep the drafter in hf_dspark's layout (save_pretrained)")
     if reasons:
         raise UserInputError(f"this drafter cannot be written exactly in speculators' layout: {'; '.join(reasons)}.")
 

@@ -10,9 +10,12 @@ target's raw embedding rows, hf_dspark through the target's embedding module: th
 targets z-lab publishes drafters for (Qwen3, Qwen3.5, Llama 3.1, gpt-oss), not for a scaled embedding (Gemma's).
 
 Like z-lab's own code, a dflash_config value falls back to the top-level field of the same name, then to z-lab's
-default. What hf_dspark's drafter does not build (in-block causal or sliding-window layers, logit soft-capping, a
-scaled input embedding, DFlash2's convolutions and candidate selector, a learned mask embedding) is refused with
-one error naming each field, never loaded approximately.
+default. z-lab's optional settings map to DSparkDraftConfig fields of the same meaning: `final_logit_softcapping`
+(when positive), `input_embedding_scale` (when not 1: the target's raw embedding rows times it), `is_causal` and
+`layer_types` / `sliding_window` (per layer `block_causal` and sliding windows, by z-lab's rule: a sliding layer is
+block-causal unless `is_causal` says otherwise). What hf_dspark's drafter does not build (DFlash2's convolutions and
+candidate selector, a learned mask embedding, attention kinds other than full and sliding) is refused with one error
+naming each field, never loaded approximately.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numbers
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_file
 
 from ..common import EMBEDDING_OUTPUT, DrafterLoadError
@@ -40,7 +44,7 @@ _USED_QWEN3_FIELDS = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
     "rope_theta", "rope_scaling", "attention_bias", "initializer_range",
-    # Decide each layer's attention (checked: only full, bidirectional layers convert).
+    # Each layer's attention: full or sliding window, block-causal or not (with is_causal).
     "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
 }
 _ZLAB_FIELDS = {"dflash_config", "num_target_layers", "is_causal", "model_type", "architectures"}
@@ -154,44 +158,35 @@ def _refuse_unsupported(config: dict, settings: dict, qwen3, source: str) -> Non
             "in DSparkDecoderLayer and the selector as a sequential head in the drafting core")
     elif [name for name in architectures if name != DFLASH_CLASS]:
         problems.append(f"architectures={architectures}: hf_dspark reads z-lab's {DFLASH_CLASS} only")
-    problems += _attention_problems(config, qwen3)
-    softcap = settings.get("final_logit_softcapping")
-    if softcap is not None and softcap > 0:  # z-lab applies it only when positive
-        problems.append(
-            f"final_logit_softcapping={softcap}: the drafter's logits would be soft-capped (cap * tanh(logits / "
-            "cap)); supporting it takes that one line in DraftPreTrainedModel.compute_logits behind a config field")
-    scale = settings.get("input_embedding_scale", 1.0)
-    if scale != 1.0:
-        problems.append(
-            f"input_embedding_scale={scale}: z-lab multiplies the target's raw embedding rows by it; supporting it "
-            "takes a config field read by DraftPreTrainedModel.embed (raw weight rows times the scale)")
+    layer_types = list(qwen3.layer_types or ["full_attention"] * qwen3.num_hidden_layers)
+    if [kind for kind in layer_types if kind not in ("full_attention", "sliding_attention")]:
+        problems.append(f"layer_types={layer_types}: z-lab's drafter knows full_attention and sliding_attention")
     if problems:
         raise DrafterLoadError(f"{source} uses what hf_dspark's DSparkDraftModel does not build, so it cannot be "
                                f"loaded exactly and is refused: {'; '.join(problems)}.")
 
 
-def _attention_problems(config: dict, qwen3) -> list[str]:
-    """z-lab's per-layer attention: a sliding_attention layer attends within `sliding_window` positions and,
-    unless `is_causal` says otherwise, causally inside the block; `is_causal` true makes every layer causal."""
+def _optional_settings(config: dict, settings: dict, qwen3, source: str) -> dict:
+    """z-lab's optional settings as DSparkDraftConfig fields (None / False where z-lab's drafter does not use them).
+
+    Attention, per layer as z-lab's Qwen3DFlashAttention decides it: a sliding_attention layer attends within
+    `sliding_window` positions (when the Qwen3 config keeps one: use_sliding_window) and is block-causal unless
+    `is_causal` says otherwise; `is_causal` set makes every layer causal or every layer bidirectional."""
     is_causal = config.get("is_causal")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise DrafterLoadError(f"{source} has is_causal={is_causal!r}; z-lab's dflash reads true, false or null.")
     layer_types = list(qwen3.layer_types or ["full_attention"] * qwen3.num_hidden_layers)
-    sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    problems = []
-    if [kind for kind in layer_types if kind not in ("full_attention", "sliding_attention")]:
-        problems.append(f"layer_types={layer_types}: z-lab's drafter knows full_attention and sliding_attention")
-    causal = bool(is_causal) if is_causal is not None else bool(sliding)
-    if causal:
-        unset = " (unset, so sliding_attention layers are causal)" if is_causal is None else ""
-        problems.append(
-            f"is_causal={is_causal}{unset} with layer_types={layer_types}: block slots attend causally (slot j sees "
-            "slots 0..j), while hf_dspark's block is bidirectional; supporting it takes a causal block mask in "
-            "DSparkDraftModel.forward when no mask is passed, and the same mask in training")
-    if sliding and qwen3.sliding_window is not None:
-        problems.append(
-            f"sliding_window={qwen3.sliding_window} on layers {sliding} (layer_types): those layers see only the "
-            "context within the window; supporting it takes per-layer sliding-window masks over context positions "
-            "in DSparkAttention (known positions for cached context rows) and in training")
-    return problems
+    causal = [kind == "sliding_attention" if is_causal is None else is_causal for kind in layer_types]
+    window = qwen3.sliding_window if "sliding_attention" in layer_types else None
+    softcap = settings.get("final_logit_softcapping")
+    scale = float(settings.get("input_embedding_scale", 1.0))
+    return {
+        "block_causal": causal[0] if len(set(causal)) == 1 else causal,
+        "layer_types": layer_types if window is not None else None,
+        "sliding_window": window,
+        "final_logit_softcapping": float(softcap) if softcap is not None and softcap > 0 else None,  # z-lab: > 0
+        "input_embedding_scale": scale if scale != 1.0 else None,
+    }
 
 
 def _our_config(config: dict, settings: dict, qwen3, source: str) -> DSparkDraftConfig:
@@ -220,6 +215,7 @@ def _our_config(config: dict, settings: dict, qwen3, source: str) -> DSparkDraft
     if bad:
         raise DrafterLoadError(f"{source} has target_layer_ids={layer_ids!r}: expected a list of decoder layer "
                                "indices (0, 1, ...; -1 for the embedding output).")
+    optional = _optional_settings(config, settings, qwen3, source)
     try:
         return DSparkDraftConfig(
             vocab_size=qwen3.vocab_size, hidden_size=qwen3.hidden_size, intermediate_size=qwen3.intermediate_size,
@@ -230,9 +226,9 @@ def _our_config(config: dict, settings: dict, qwen3, source: str) -> DSparkDraft
             block_size=block_size, sample_from_anchor=False, target_layer_ids=list(layer_ids),
             target_num_hidden_layers=depth if isinstance(depth, int) else None, target_model_type=None,
             mask_token_id=mask_token_id, markov_head=None, markov_rank=0, confidence_head=False,
-            initializer_range=qwen3.initializer_range,
+            initializer_range=qwen3.initializer_range, **optional,
         )
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, StrictDataclassError) as error:  # the last: DSparkDraftConfig's own checks
         raise DrafterLoadError(f"{source} does not describe a drafter hf_dspark can build ({error}).") from None
 
 
