@@ -8,11 +8,11 @@ import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
 import hf_dspark
+from hf_dspark.hub.export_speculators import export_speculators
 from conftest import VOCAB, prompts, tiny_drafter, tiny_target
 from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.hub.convert import export_deepspec
 from hf_dspark.models.common import UserInputError
-from hf_dspark.models.formats import speculators
 from hf_dspark.training import DSparkTrainer, build_blocks
 from test_batched import left_pad
 
@@ -163,14 +163,14 @@ def test_settings_survive_save_and_load(target, tmp_path):
 def test_exports_refuse_what_their_layout_cannot_express(target, tmp_path, setting):
     plain = tiny_drafter(target, "markov", block_size=4, qk_norm=True)
     export_deepspec(plain, tmp_path / "plain_deepspec", target=target)  # the same drafter without it exports
-    speculators.export(plain, tmp_path / "plain_speculators", target=target)
+    export_speculators(plain, tmp_path / "plain_speculators", target=target)
     drafter = tiny_drafter(target, "markov", block_size=4, qk_norm=True, **setting)
     named = next(iter(setting))
     with pytest.raises(UserInputError, match="DeepSpec's layout cannot express") as error:
         export_deepspec(drafter, tmp_path / "deepspec", target=target)
     assert named in str(error.value)
     with pytest.raises(UserInputError, match="speculators") as error:
-        speculators.export(drafter, tmp_path / "speculators", target=target)
+        export_speculators(drafter, tmp_path / "speculators", target=target)
     assert named in str(error.value)
     assert not (tmp_path / "deepspec").exists() and not (tmp_path / "speculators").exists()
 

@@ -7,10 +7,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import hf_dspark
+from hf_dspark.hub.export_speculators import export_speculators
 from hf_dspark.models.common import DraftContextCache, DrafterLoadError, UserInputError
 from hf_dspark.models.formats import speculators as layout
 from conftest import prompts, tiny_drafter, tiny_target
@@ -293,7 +294,7 @@ def test_our_export_loads_in_speculators_with_nothing_missing_and_the_same_logit
     family, kind, overrides = OUR_CASES[case]
     target = saved_target(tmp_path, family)
     ours = our_drafter(target, kind, **overrides)
-    layout.export(ours, tmp_path / "exported", target=target)
+    export_speculators(ours, tmp_path / "exported", target=target)
     theirs, info = their_load(tmp_path / "exported")
     assert type(theirs).__name__ == {"eagle3": "Eagle3DraftModel", "dflash": "DFlashDraftModel"}.get(
         kind, "DSparkDraftModel")
@@ -313,7 +314,7 @@ def test_round_trip_through_speculators_layout_is_bit_identical(tmp_path, case):
     family, kind, overrides = OUR_CASES[case]
     target = tiny_target(family)
     ours = our_drafter(target, kind, **overrides)
-    back = load_ours(layout.export(ours, tmp_path / "exported", target=target))
+    back = load_ours(export_speculators(ours, tmp_path / "exported", target=target))
     assert type(back) is type(ours)
     mine, theirs = ours.state_dict(), back.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[name], theirs[name]) for name in mine)
@@ -338,7 +339,7 @@ def test_round_trip_from_speculators_writes_their_checkpoint_back(tmp_path, case
     target = tiny_target("qwen3")
     their_drafter(kind, target, **fields).save_pretrained(tmp_path / "theirs")
     ours = load_ours(tmp_path / "theirs")
-    layout.export(ours, tmp_path / "again", target=None if kind == "eagle3" else target)  # Eagle3: stored heads
+    export_speculators(ours, tmp_path / "again", target=None if kind == "eagle3" else target)  # Eagle3: stored heads
     original, again = (load_file(tmp_path / name / "model.safetensors") for name in ("theirs", "again"))
     assert original.keys() == again.keys()
     assert all(torch.equal(original[name], again[name]) for name in original)
@@ -350,7 +351,7 @@ def test_unsorted_draft_vocabulary_and_target_layers_export_ascending_with_the_s
     target = tiny_target("qwen3")
     ours = our_drafter(target, "gated", draft_vocab_size=DRAFT_VOCAB, target_layer_ids=[2, 0])
     ours.set_draft_vocab(draft_ids(seed=9)[torch.randperm(DRAFT_VOCAB, generator=torch.Generator().manual_seed(0))])
-    back = load_ours(layout.export(ours, tmp_path / "exported", target=target))
+    back = load_ours(export_speculators(ours, tmp_path / "exported", target=target))
     assert torch.equal(back.draft_to_target, ours.draft_to_target.sort().values)
     assert back.config.target_layer_ids == [0, 2]
     back.attach_target(target)
@@ -403,7 +404,7 @@ def test_a_markov_head_with_distinct_rows_outside_the_draft_vocabulary_keeps_the
 def test_export_refuses_what_speculators_cannot_hold(tmp_path):
     llama = tiny_target("llama")
     with pytest.raises(UserInputError, match="qk_norm"):
-        layout.export(tiny_drafter(llama, "markov"), tmp_path / "a")
+        export_speculators(tiny_drafter(llama, "markov"), tmp_path / "a")
     with pytest.raises(UserInputError, match="pass target="):
-        layout.export(tiny_drafter(tiny_target("qwen3"), "markov", draft_vocab_size=DRAFT_VOCAB), tmp_path / "b")
+        export_speculators(tiny_drafter(tiny_target("qwen3"), "markov", draft_vocab_size=DRAFT_VOCAB), tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -118,7 +118,7 @@ def test_generation_applies_the_stored_temperatures():
     assert flat and all(abs(c - 0.5) < 0.01 for c in flat)
     from huggingface_hub.errors import StrictDataclassClassValidationError
 
-    with pytest.raises((ValueError, StrictDataclassClassValidationError), match="one per slot"):
+    with pytest.raises((ValueError, StrictDataclassClassValidationError), match="one per drafted slot"):
         tiny_drafter(target, "markov", block_size=4, confidence_temperatures=[1.0])
 
 

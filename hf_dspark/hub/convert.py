@@ -143,8 +143,8 @@ def convert_drafter(source: str | Path, output: str | Path, layout: str, target=
     """Read the drafter at `source` (any layout `AutoDrafter` reads) and write it to `output` in `layout`
     ("hf_dspark", "deepspec" or "speculators"). `target` (a model or its folder) is checked against the drafter
     (architecture, shapes, a DeepSpec checkpoint's stored embedding and LM head) and given to the export."""
-    from ..models.formats import speculators
     from ..models.loading import load_drafter, load_target_model
+    from .export_speculators import export_speculators
 
     if isinstance(target, (str, Path)):
         target = load_target_model(target)
@@ -159,7 +159,7 @@ def convert_drafter(source: str | Path, output: str | Path, layout: str, target=
     elif layout == "deepspec":
         export_deepspec(drafter, output, target=target)
     elif layout == "speculators":
-        speculators.export(drafter, output, target=target)
+        export_speculators(drafter, output, target=target)
     else:
         raise ValueError(f"no layout {layout!r}: write hf_dspark, deepspec or speculators")
     return Path(output)

@@ -161,7 +161,45 @@ def check_floating_tensors(stored: dict, expected: dict, source, what: str = "ch
 
 def integer_weights_error(wrong: list[str], what: str) -> UserInputError:
     """The error for floating-point weights stored as integers; `wrong` describes each ("name (dtype) in file")."""
-    return UserInputError(
+    from .common import DrafterLoadError
+
+    return DrafterLoadError(
         f"the {what}'s checkpoint stores floating-point weights as integers: {'; '.join(wrong[:4])}"
         f"{' ...' if len(wrong) > 4 else ''}. Quantised drafter weights are not supported (loading would cast the "
         "integers silently into wrong values): save the drafter with float32, bfloat16 or float16 weights.")
+
+
+def read_checkpoint_tensors(folder, what: str, fix: str) -> dict:
+    """Every tensor of a checkpoint folder in another project's layout, from the `.safetensors` files
+    transformers would read (`checked_weight_files`: inside the folder, never a pickle). `fix` says how to get a
+    readable folder when there is none."""
+    from safetensors.torch import load_file
+
+    from .common import DrafterLoadError
+
+    files = checked_weight_files(folder, what)
+    if not files:
+        raise DrafterLoadError(f"{folder} has no model.safetensors (nor a model.safetensors.index.json naming its "
+                               f"shards); hf_dspark reads safetensors only: {fix}.")
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(file))
+    return tensors
+
+
+def check_state_fits(expected: dict, state: dict, source, what: str, fix: str, stored_name=lambda name: name) -> None:
+    """A converted checkpoint's tensors (`state`, our names) are exactly the model's (`expected`, its state_dict):
+    the same names, shapes, and floating point where the model's are, else a `DrafterLoadError` naming them by the
+    checkpoint's own names (`stored_name`) and `fix`. load_state_dict would cast integers silently."""
+    from .common import DrafterLoadError
+
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise DrafterLoadError(
+            f"the weights of {source} do not fit the {what} its config.json describes: missing "
+            f"{[stored_name(n) for n in missing[:8]]}, unexpected {[stored_name(n) for n in unexpected[:8]]}. {fix}")
+    wrong = [f"{stored_name(name)} {tuple(state[name].shape)} stored, {tuple(tensor.shape)} for the config"
+             for name, tensor in expected.items() if state[name].shape != tensor.shape]
+    if wrong:
+        raise DrafterLoadError(f"{source}'s config.json does not describe its weights: {'; '.join(wrong[:4])}. {fix}")
+    check_floating_tensors(state, expected, source, what)

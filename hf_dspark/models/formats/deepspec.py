@@ -26,7 +26,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from ..common import DrafterLoadError, DrafterTargetMismatchError
@@ -34,6 +33,7 @@ from ..configuration_dspark import DSparkDraftConfig
 from ..configuration_eagle3 import Eagle3DraftConfig
 from ..modeling_dspark import DSparkDraftModel
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..weight_files import check_state_fits, read_checkpoint_tensors
 
 FORMAT = "deepspec"
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
@@ -108,7 +108,7 @@ def load(folder: Path, config: dict) -> DSparkDraftModel | Eagle3DraftModel:
     folder = Path(folder)
     source = str(folder / "config.json")
     architecture = _architecture(config, source)
-    weights = _read_weights(folder)
+    weights = read_checkpoint_tensors(folder, "DeepSpec drafter", "save the drafter with DeepSpec's save_pretrained")
     if architecture == EAGLE3_ARCHITECTURE:
         drafter = Eagle3DraftModel(eagle3_config(config, source))
     else:
@@ -302,21 +302,6 @@ def eagle3_config(config: dict, source: str = "checkpoint") -> Eagle3DraftConfig
         draft_vocab_size=_draft_vocab_size(config), deepspec_fields=_kept_fields(config))
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, from the safetensors files transformers would read (checked to be inside the
-    folder; pickles are never read)."""
-    from ..weight_files import checked_weight_files
-
-    files = checked_weight_files(folder, "DeepSpec drafter")
-    if not files:
-        raise DrafterLoadError(f"{folder} has no model.safetensors (nor a model.safetensors.index.json); hf_dspark "
-                               "reads safetensors only: save the drafter with DeepSpec's save_pretrained.")
-    weights = {}
-    for file in files:
-        weights.update(load_file(file))
-    return weights
-
-
 def _is_zero_vanilla_head(config: dict, weights: dict) -> bool:
     """A vanilla Markov head whose W1 is all zero adds nothing (bias W2(W1[x]) = 0, and the confidence head reads
     W1[x] = 0): how hf_dspark exports DFlash (SGLang needs markov_rank > 0). It loads back as DFlash."""
@@ -404,26 +389,11 @@ def _compress_rows(w1_full: torch.Tensor, draft_to_target: torch.Tensor, source:
 
 
 def _load_strictly(drafter, state: dict, source: str) -> None:
-    expected = drafter.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        theirs = {ours: theirs for theirs, ours in HEAD_NAMES.items()}
-        raise DrafterLoadError(
-            f"the weights beside {source} do not fit the drafter it describes: missing "
-            f"{[theirs.get(name, name) for name in missing[:8]]}, unexpected {unexpected[:8]}. Fix config.json to "
-            "the checkpoint it was saved with (markov_rank, markov_head_type, enable_confidence_head, "
-            "num_hidden_layers).")
-    wrong = [f"{name} {tuple(state[name].shape)} stored, {tuple(tensor.shape)} for the config"
-             for name, tensor in expected.items() if state[name].shape != tensor.shape]
-    if wrong:
-        raise DrafterLoadError(f"config.json does not describe the weights beside {source}: {'; '.join(wrong[:4])}. "
-                               "fc fuses len(target_layer_ids) target layers: check target_layer_ids and the sizes.")
-    integers = [f"{name} ({state[name].dtype}) in {Path(source).parent}" for name, tensor in expected.items()
-                if tensor.is_floating_point() and not state[name].is_floating_point()]
-    if integers:  # load_state_dict would cast them silently
-        from ..weight_files import integer_weights_error
-
-        raise DrafterLoadError(str(integer_weights_error(integers, "DeepSpec drafter")))
+    theirs = {ours: theirs for theirs, ours in HEAD_NAMES.items()}
+    check_state_fits(drafter.state_dict(), state, Path(source).parent, "DeepSpec drafter",
+                     "Fix config.json to the checkpoint it was saved with (markov_rank, markov_head_type, "
+                     "enable_confidence_head, num_hidden_layers; fc fuses len(target_layer_ids) target layers).",
+                     stored_name=lambda name: theirs.get(name, name))
     drafter.load_state_dict(state, strict=True)
 
 

@@ -26,12 +26,11 @@ from pathlib import Path
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from safetensors.torch import load_file
 
 from ..common import EMBEDDING_OUTPUT, DrafterLoadError
 from ..configuration_dspark import DSparkDraftConfig
 from ..modeling_dspark import DSparkDraftModel
-from ..weight_files import check_floating_tensors, checked_weight_files
+from ..weight_files import check_state_fits, read_checkpoint_tensors
 
 FORMAT = "zlab_dflash"
 
@@ -266,24 +265,7 @@ def _refuse_trainer_pickles(folder: Path) -> None:
 
 def _read_weights(folder: Path, drafter: DSparkDraftModel) -> dict[str, torch.Tensor]:
     """Every stored tensor, checked to be exactly our drafter's weights (names, shapes, floating point)."""
-    files = checked_weight_files(folder, "z-lab DFlash drafter")
-    if not files:
-        raise DrafterLoadError(f"{folder} has no model.safetensors (or safetensors shards named by "
-                               "model.safetensors.index.json): hf_dspark loads z-lab drafters from safetensors only.")
-    state = {}
-    for file in files:
-        state.update(load_file(file))
-    expected = drafter.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise DrafterLoadError(
-            f"the weights in {folder} do not fit z-lab's DFlashDraftModel as its config.json describes it "
-            f"(missing {missing[:6]}, unexpected {unexpected[:6]}). Restore the folder as z-lab's save_pretrained "
-            "wrote it.")
-    wrong = [f"{name} {tuple(state[name].shape)} stored, {tuple(tensor.shape)} for the config"
-             for name, tensor in expected.items() if state[name].shape != tensor.shape]
-    if wrong:
-        raise DrafterLoadError(f"{folder}/config.json does not describe the weights beside it: {'; '.join(wrong[:4])}. "
-                               "Restore the config.json saved with these weights.")
-    check_floating_tensors(state, expected, folder, "z-lab DFlash drafter")
+    state = read_checkpoint_tensors(folder, "z-lab DFlash drafter", "save the drafter with z-lab's save_pretrained")
+    check_state_fits(drafter.state_dict(), state, folder, "z-lab DFlash drafter",
+                     "Restore the folder (config.json and weights) as z-lab's save_pretrained wrote it.")
     return state
