@@ -966,13 +966,16 @@ def test_export_writes_the_targets_embedding_and_head_in_the_targets_dtype(qwen3
 def test_eagle3_export_says_why_llama_cpp_cannot_run_it(qwen3, tmp_path, caplog):
     """llama.cpp build 11434's converter registers no `Qwen3Eagle3Model`, and its EAGLE3 graph (src/models/eagle3.cpp)
     is a Llama layer without per-head q/k norms, reading exactly 3 target layers: DeepSpec's Eagle3 layout (always
-    with q/k norms) cannot run there, and renaming it would drop the norms. The export says so, naming the engine."""
+    with q/k norms) cannot run there, and renaming it would drop the norms. The export says so, naming the engine and
+    the route that does run there: a drafter built without q/k norms, in speculators' layout (`Eagle3Speculator`,
+    measured: same text and per-round accepted counts as hf_dspark)."""
     drafter = tiny_drafter(qwen3, "eagle3", qk_norm=True, draft_vocab_size=40)
     drafter.set_draft_vocab(torch.arange(0, 80, 2))
     with caplog.at_level("WARNING", logger="hf_dspark.hub.convert"):
         export_deepspec(drafter, tmp_path / "x", target=qwen3)
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "llama.cpp cannot run" in text and "Qwen3Eagle3Model" in text and "q/k norm" in text, text
+    assert "qk_norm=False" in text and "--to speculators" in text and "draft-eagle3" in text  # the route that runs
     assert "served by vLLM and llama.cpp" not in text  # the draft-vocabulary note is for drafters they serve
     caplog.clear()
     with caplog.at_level("WARNING", logger="hf_dspark.hub.convert"):
@@ -1008,3 +1011,50 @@ def test_a_deepspec_w1_with_its_own_row_for_every_token_keeps_them(qwen3, tmp_pa
     ids = prompts(1)[0]
     assert torch.equal(qwen3.generate(ids, assistant_model=loaded, do_sample=False, max_new_tokens=12),
                        qwen3.generate(ids, do_sample=False, max_new_tokens=12))
+
+
+def _first_new_eos(new: list[int], block_size: int) -> tuple[int, int]:
+    """(index, token) of a token first generated at an index that oracle drafting reaches as a draft other than the
+    round's last slot (index 0 comes from the prompt's forward, then every round emits block_size drafts + 1)."""
+    for index, token in enumerate(new):
+        if index >= 2 and token not in new[:index] and (index - 1) % (block_size + 1) < block_size - 1:
+            return index, token
+    raise AssertionError(f"no usable EOS candidate in {new}")
+
+
+def test_a_round_stopped_by_eos_counts_only_the_drafts_it_emits(monkeypatch):
+    """llama.cpp and hf_dspark produced the same text with drafted counts equal but accepted counts one or two apart:
+    in the round that reaches EOS, hf_dspark counted drafts past the EOS (matched, never emitted) as accepted. A
+    round emits its accepted drafts plus one target token; with the stop inside the drafts, the EOS is that token
+    (as llama.cpp counts it), so tokens = 1 (from the prompt's forward) + sum(accepted + 1) holds to the end."""
+    from hf_dspark.generation import batched
+    from hf_dspark.generation.candidates import DSparkCandidateGenerator
+    from test_batched import left_pad, use_oracle
+
+    target, block = tiny_target("llama"), 4
+    drafter = tiny_drafter(target, "markov", block_size=block)
+    prompt = prompts(1)[0]
+    reference = target.generate(prompt, do_sample=False, max_new_tokens=40)[0]
+    index, eos = _first_new_eos(reference[prompt.shape[1]:].tolist(), block)
+    single = DSparkCandidateGenerator._draft
+
+    def oracle(self, input_ids, features, budget):  # the target's own continuation: every draft is accepted
+        drafts = single(self, input_ids, features, budget)
+        start = input_ids.shape[1]
+        drafts.tokens[0, : drafts.length] = reference[start : start + drafts.length]
+        return drafts
+
+    monkeypatch.setattr(DSparkCandidateGenerator, "_draft", oracle)
+    out = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=30, eos_token_id=eos)
+    generated = out.shape[1] - prompt.shape[1]
+    assert generated == index + 1 and torch.equal(out[0], reference[: out.shape[1]])
+    stats = drafter.last_generation_stats
+    assert 1 + sum(a + 1 for a in stats.accepted) == generated, stats.accepted
+    monkeypatch.setattr(DSparkCandidateGenerator, "_draft", single)
+    # The batched engine counts the same way.
+    use_oracle(monkeypatch, [reference], block_size=block)
+    result = batched.batched_speculative_generate(target, drafter, *left_pad([prompt]), max_new_tokens=30,
+                                                  eos_token_id=eos)
+    assert torch.equal(result.sequences[0], out[0])
+    rounds = result.stats[0]
+    assert 1 + sum(a + 1 for a in rounds.accepted) == generated, rounds.accepted

@@ -565,9 +565,12 @@ class SpeculativeEngine:
         _commit_round(rows, num_accepted, accepted, width, features, positions)
 
         self.verified_tokens_per_round.append(sum(lengths) + len(rows))
-        for request, length, count, slot_confidences in zip(requests, lengths, accepted, confidences):
-            request.stats.record(length, count, slot_confidences if self.drafter.confidence_proj is not None else None)
+        before = [request.emitted for request in requests]
         done = _emit(requests, [row[1:] for row in values], [count + 1 for count in accepted])
+        for request, length, count, start, slot_confidences in zip(requests, lengths, accepted, before, confidences):
+            # A row that stops inside its drafts (EOS) counts only the drafts it emitted (as batch 1 does).
+            count = min(count, request.emitted - start - 1)
+            request.stats.record(length, count, slot_confidences if self.drafter.confidence_proj is not None else None)
         finished = [r for r, d in zip(request_ids, done) if d]
         if all(done):
             self._rows = None

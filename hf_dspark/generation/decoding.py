@@ -208,12 +208,13 @@ def _decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, g
         # The round's one read of the device in this loop: the accepted count and the tokens it emits.
         values = torch.cat([num_accepted, new_tokens[0]]).tolist()
         accepted, emitted = values[0], values[1 : 2 + values[0]]
-        if not is_prefill:
-            generator.record_round(accepted, drafted)
-        is_prefill = False
-
         sequence, count, finished, scores, raw_logits = _append_until_stop(
             sequence, new_tokens, emitted, stop_rule, stopping_criteria, processed, target_logits, scores, raw_logits)
+        if not is_prefill:
+            # A round that stops inside its drafts (EOS) emits `count` tokens, the last standing for the target's
+            # own: drafts matched past the stop were never emitted and do not count (llama.cpp counts alike).
+            generator.record_round(min(accepted, count - 1), drafted)
+        is_prefill = False
         if streamer is not None:
             streamer.put(new_tokens[:, :count].cpu())
         # The cache holds every position but the newest token, as after plain decoding.

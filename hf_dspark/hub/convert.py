@@ -273,12 +273,15 @@ def export_warnings(config) -> list[str]:
         warnings.append("DeepSpec's layout holds it exactly, but vLLM, SGLang and llama.cpp serve only DSpark with the "
                         "vanilla Markov head and DFlash from it")
     if config.model_type == EAGLE3_DRAFTER_TYPE:
-        # Measured with llama.cpp build 11434 (benchmarks/interop/llama_cpp.py) and read in its converter
-        # (conversion/llama.py) and graph (src/models/eagle3.cpp).
+        # llama.cpp build 11434: read in its converter (conversion/llama.py) and graph (src/models/eagle3.cpp); the
+        # refusal is recorded by benchmarks/interop/llama_cpp.py, and a q/k-norm-free drafter's speculators export
+        # was run there (same text and per-round accepted counts as hf_dspark).
         warnings.append(
             "llama.cpp cannot run this Eagle3 export: its converter has no Qwen3Eagle3Model, and its EAGLE3 is a "
             "Llama layer without per-head q/k norms reading exactly 3 target layers, while DeepSpec's Qwen3Eagle3Model "
-            "always has q/k norms (renaming the export would drop them and change every draft)")
+            "always has q/k norms (renaming the export would drop them and change every draft). An Eagle3 drafter built "
+            "with qk_norm=False and 3 target layers runs there from `hf-dspark convert --to speculators` "
+            "(`--spec-type draft-eagle3`)")
     if config.draft_vocab_size and served_by_vllm(config):  # else no engine serves it anyway (said above)
         warnings.append(
             f"the draft vocabulary ({config.draft_vocab_size} of {config.vocab_size} tokens, d2t/t2d) is served by "

@@ -86,7 +86,7 @@ def _export_heads(drafter, target):
 def _export_tensors(drafter, heads, kind: str) -> dict:
     """Our state dict under speculators' names, draft vocabulary ascending (as speculators builds it) and fc's
     column blocks in ascending target-layer order (as vLLM concatenates the features)."""
-    config, dtype = drafter.config, drafter.dtype
+    config = drafter.config
     state = {name: tensor.detach().cpu() for name, tensor in drafter.state_dict().items()}
     ids = list(config.target_layer_ids)
     order = sorted(range(len(ids)), key=ids.__getitem__)
@@ -106,7 +106,7 @@ def _export_tensors(drafter, heads, kind: str) -> dict:
         out["d2t"] = vocabulary - torch.arange(vocabulary.numel())
         out["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, vocabulary, True)
     if heads is not None:
-        embed, head = (h.detach().to("cpu", dtype) for h in heads)
+        embed, head = (h.detach().to("cpu") for h in heads)  # the target's own dtype, as hf_dspark drafts with it
         out["lm_head.weight"] = head if vocabulary is None else head[vocabulary]
         if kind == "eagle3":
             out["embed_tokens.weight"] = embed

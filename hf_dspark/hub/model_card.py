@@ -69,12 +69,16 @@ def describe_serving(config) -> str:
                 "`qk_norm=True` exports). Serve it with transformers (batched: "
                 "`hf_dspark.generation.SpeculativeEngine`).")
     if served_by_vllm(config):
+        # SGLang's markov_w2 is full-vocabulary: it cannot load a draft vocabulary (see export_warnings).
+        sglang = ("SGLang cannot load its draft vocabulary, " if config.draft_vocab_size else
+                  "SGLang with `--speculative-algorithm DSPARK --speculative-draft-model-path <out> "
+                  f"--speculative-num-draft-tokens {config.block_size + 1}`, ")
+        # llama.cpp drafts 3 tokens a round unless told the block size (its --spec-draft-n-max defaults to 3).
         return ("Serving at scale: `hf-dspark convert <this folder> <out> --target <target>` writes DeepSpec's layout, "
                 "which vLLM loads with `--speculative-config '{\"method\": \"dspark\", \"model\": \"<out>\", "
                 f"\"num_speculative_tokens\": {config.block_size}, \"enable_adaptive_verification\": true}}'`, "
-                "SGLang with `--speculative-algorithm DSPARK --speculative-draft-model-path <out> "
-                f"--speculative-num-draft-tokens {config.block_size + 1}`, and llama.cpp after "
-                "`convert_hf_to_gguf.py <out> --target-model-dir <target>` (`--spec-type draft-dspark`).")
+                f"{sglang}and llama.cpp after `convert_hf_to_gguf.py <out> --target-model-dir <target>` "
+                f"(`--spec-type draft-dspark --spec-draft-n-max {config.block_size}`).")
     return ("Serving at scale: `hf-dspark convert <this folder> <out> --target <target>` writes DeepSpec's layout "
             "exactly, but vLLM, SGLang and llama.cpp implement only DSpark's vanilla Markov head and DFlash from it, so "
             "this drafter is served with transformers (batched: `hf_dspark.generation.SpeculativeEngine`).")
