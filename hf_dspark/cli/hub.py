@@ -43,15 +43,13 @@ def cmd_convert(args) -> int:
 
     from safetensors import SafetensorError
 
-    from hf_dspark.hub.convert import convert_drafter, source_layout
+    from hf_dspark.hub.convert import convert_drafter
 
     output = Path(args.output)
     existed = output.exists()
     try:
-        layout = source_layout(args.source)
-        direction = args.to or ("deepspec" if layout == "hf_dspark" else "hf_dspark")
-        convert_drafter(args.source, args.output, direction, target=args.target)
-        print(f"read {layout} layout, wrote {direction}'s to {args.output}", file=sys.stderr)
+        found, written = convert_drafter(args.source, args.output, args.to, target=args.target)
+        print(f"read {found} layout, wrote {written}'s to {args.output}", file=sys.stderr)
     except (ValueError, OSError, RuntimeError, KeyError, TypeError, SafetensorError) as error:
         # ValueError includes refused drafters, target mismatches and broken JSON; OSError unreadable folders.
         if not existed and output.exists():

@@ -119,10 +119,17 @@ def import_deepspec(folder: str | Path, target=None) -> DSparkDraftModel | Eagle
             "hf_dspark.AutoDrafter.from_pretrained(path) (`hf-dspark convert` writes them out as hf_dspark's).")
     drafter = deepspec.load(folder, config)
     if target is not None:
-        check_target_architecture(drafter.config, target.config, folder)
-        drafter.check_compatible(target.config)
-        deepspec.check_stored_heads_match(drafter, target, str(folder))
+        check_against_target(drafter, target, folder, deepspec.FORMAT)
     return drafter
+
+
+def check_against_target(drafter, target, source, layout: str) -> None:
+    """The drafter read from `source` (in `layout`) fits `target`: its architecture, its shapes and, for a DeepSpec
+    checkpoint, the stored copies of the target's embedding and LM head."""
+    check_target_architecture(drafter.config, target.config, source)
+    drafter.check_compatible(target.config)
+    if layout == deepspec.FORMAT:
+        deepspec.check_stored_heads_match(drafter, target, str(source))
 
 
 def source_layout(folder: str | Path) -> str:
@@ -139,21 +146,22 @@ def source_layout(folder: str | Path) -> str:
     return module.FORMAT
 
 
-def convert_drafter(source: str | Path, output: str | Path, layout: str, target=None) -> Path:
+def convert_drafter(source: str | Path, output: str | Path, layout: str | None = None, target=None
+                    ) -> tuple[str, str]:
     """Read the drafter at `source` (any layout `AutoDrafter` reads) and write it to `output` in `layout`
-    ("hf_dspark", "deepspec" or "speculators"). `target` (a model or its folder) is checked against the drafter
-    (architecture, shapes, a DeepSpec checkpoint's stored embedding and LM head) and given to the export."""
+    ("hf_dspark", "deepspec" or "speculators"; None: deepspec for an hf_dspark drafter, else hf_dspark). `target`
+    (a model or its folder) is checked against the drafter (`check_against_target`) and given to the export.
+    Returns (the layout read, the layout written)."""
     from ..models.loading import load_drafter, load_target_model
     from .export_speculators import export_speculators
 
+    found = source_layout(source)
+    layout = layout or ("deepspec" if found == "hf_dspark" else "hf_dspark")
     if isinstance(target, (str, Path)):
         target = load_target_model(target)
     drafter = load_drafter(source, None)
     if target is not None:
-        check_target_architecture(drafter.config, target.config, source)
-        drafter.check_compatible(target.config)
-        if source_layout(source) == deepspec.FORMAT:
-            deepspec.check_stored_heads_match(drafter, target, str(source))
+        check_against_target(drafter, target, source, found)
     if layout == "hf_dspark":
         drafter.save_pretrained(output)
     elif layout == "deepspec":
@@ -162,7 +170,7 @@ def convert_drafter(source: str | Path, output: str | Path, layout: str, target=
         export_speculators(drafter, output, target=target)
     else:
         raise ValueError(f"no layout {layout!r}: write hf_dspark, deepspec or speculators")
-    return Path(output)
+    return found, layout
 
 
 def check_target_architecture(draft_config, target_config, source) -> None:

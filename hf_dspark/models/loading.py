@@ -231,9 +231,9 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None, device: str | torc
             "vllm-project/speculators' or z-lab DFlash's); pass a drafter folder (a target folder goes to --target)."
         )
     options = {} if dtype is None else {"dtype": dtype}
-    # safetensors_only: a Hub id's config is only read by the loader, which may pick a class of another model.
-    model = _from_pretrained(safetensors_only(AutoDrafter.from_pretrained, "drafter"), str(path), "drafter",
-                             **options).eval()
+    # No safetensors_only here: every reader AutoDrafter dispatches to (our classes' from_pretrained, each format's
+    # read_checkpoint_tensors) checks the weight files before reading them.
+    model = _from_pretrained(AutoDrafter.from_pretrained, str(path), "drafter", **options).eval()
     if drafter_type(model) is None:
         raise UserInputError(f"{path} holds a {type(model).__name__}, not an hf_dspark drafter; pass a drafter.")
     return model if device is None else model.to(resolve_device(device))

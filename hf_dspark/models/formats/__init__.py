@@ -105,7 +105,7 @@ def load_layout(path, config: dict, module, expected_class=None, **options):
 def _placed(model, options: dict):
     dtype = options.get("dtype", options.get("torch_dtype"))
     if isinstance(dtype, str) and dtype != "auto":
-        dtype = getattr(torch, dtype, None) if isinstance(getattr(torch, dtype, None), torch.dtype) else dtype
+        dtype = getattr(torch, dtype, dtype)  # "bfloat16" -> torch.bfloat16; anything else is refused below
     if isinstance(dtype, torch.dtype):
         model = model.to(dtype)
     elif dtype not in (None, "auto"):
