@@ -49,13 +49,13 @@ def smollm2_models(count: int):
     from hf_dspark.cli.generate import cost_table_for
     from hf_dspark.evaluation import benchmark_path
     from hf_dspark.evaluation.prompts import chat_prompt_ids
-    from hf_dspark.models.default_target import load_default_target
+    from hf_dspark.targets.default_target import load_default_target
     from hf_dspark.models.loading import load_drafter, shipped_drafter_path
 
     target, tokenizer = load_default_target(dtype=torch.float32)
     drafter = load_drafter(shipped_drafter_path("dspark"), torch.float32)
     drafter.attach_target(target, follow=True)
-    drafter.verification_costs = cost_table_for(target, drafter, "smollm2-135m-instruct")
+    drafter.generation_config.dspark_cost_table = cost_table_for(target, drafter, "smollm2-135m-instruct")
     prompts = []
     for name in ("gsm8k", "humaneval", "mt-bench"):
         for line in benchmark_path(name).read_text().splitlines()[:count]:
@@ -89,7 +89,7 @@ def compiled_graphs() -> int:
 
 def bench(name: str, target, drafter, prompts, max_new_tokens: int, compile_config, report):
     report(f"## {name}: {len(prompts)} prompts of {[p.shape[1] for p in prompts]} tokens, {max_new_tokens} new tokens, "
-           f"verification buckets {verification_buckets(drafter)}")
+           f"verification buckets {verification_buckets(drafter.config.num_draft_slots, drafter.generation_config.dspark_cost_table)}")
     references = {}
     for mode in MODES:
         graphs, start = compiled_graphs(), time.perf_counter()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import hf_dspark  # noqa: F401
-from hf_dspark.models.default_target import load_default_target
+from hf_dspark.targets.default_target import load_default_target
 from hf_dspark.models.loading import load_drafter, shipped_drafter_path
 
 sys.path.insert(0, str(Path(__file__).parent))

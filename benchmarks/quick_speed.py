@@ -15,7 +15,7 @@ from transformers import AutoModel
 
 import hf_dspark  # noqa: F401
 from hf_dspark.evaluation import benchmark_path
-from hf_dspark.models.default_target import load_default_target
+from hf_dspark.targets.default_target import load_default_target
 from hf_dspark.training.regenerate import chat_prompt_ids
 
 parser = argparse.ArgumentParser()

@@ -30,7 +30,7 @@ import torch
 
 import hf_dspark  # noqa: F401
 from hf_dspark.evaluation.prompts import chat_input_ids, load_prompt_sets
-from hf_dspark.models.default_target import load_default_target
+from hf_dspark.targets.default_target import load_default_target
 from hf_dspark.models.loading import load_drafter
 from hf_dspark.training.recipes import train_drafter
 
@@ -90,7 +90,8 @@ def plain_outputs(target, prompts: list[torch.Tensor], max_new_tokens: int, path
 
 def measured_tau(target, drafter, prompts: list[torch.Tensor], plain: list[torch.Tensor],
                  max_new_tokens: int) -> dict:
-    drafter.suffix_drafting, drafter.round_planning, drafter.verification_policy = False, False, "all"
+    drafter.generation_config.update(dspark_suffix_drafting=False, dspark_round_planning=False,
+                                     dspark_verification_policy="all")
     accepted = rounds = 0
     by_slot_hits, by_slot_reached = [0] * drafter.config.block_size, [0] * drafter.config.block_size
     identical = 0

@@ -25,10 +25,10 @@ from torch.utils.data import Subset
 from transformers import TrainingArguments
 
 import hf_dspark  # noqa: F401
-from hf_dspark.models.default_target import load_default_target
+from hf_dspark.targets.default_target import load_default_target
 from hf_dspark.training.budget import TimeBudgetCallback
 from hf_dspark.training.init import init_context_from_target, init_layers_from_target, init_markov_head_from_bigrams
-from hf_dspark.training.recipes import answer_token_counts, build_drafter
+from hf_dspark.training.recipes import ExampleList, answer_token_counts, build_drafter
 from hf_dspark.training.target_cache import TargetCacheDataset
 from hf_dspark.training.trainer import DSparkTrainer, most_frequent_tokens
 
@@ -49,18 +49,10 @@ vocab = most_frequent_tokens(answer_token_counts(Subset(cache, train_ids), targe
                              always=[tokenizer.eos_token_id])
 
 
-class Uncached(torch.utils.data.Dataset):
+def without_cached_outputs(dataset) -> ExampleList:
     """The same examples without their cached target outputs (the trainer then runs the target)."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, i):
-        example = self.dataset[i]
-        return {"input_ids": example["input_ids"], "loss_mask": example["loss_mask"]}
+    return ExampleList([{"input_ids": example["input_ids"], "loss_mask": example["loss_mask"]}
+                        for example in (dataset[i] for i in range(len(dataset)))])
 
 
 results = {}
@@ -79,7 +71,7 @@ for variant in args.variants:
     budget = TimeBudgetCallback(args.seconds, warmup_steps=5, min_ratio=1.0 if variant == "constant-lr" else 0.0)
     train = Subset(cache, train_ids)
     trainer = DSparkTrainer(
-        model=drafter, target=target, train_dataset=Uncached(train) if variant == "online-target" else train,
+        model=drafter, target=target, train_dataset=without_cached_outputs(train) if variant == "online-target" else train,
         eval_dataset=held_out, num_anchors=64, ce_weight=0.0, kl_weight=1.0, callbacks=[budget],
         args=TrainingArguments(output_dir=f"/tmp/levers-{variant}", per_device_train_batch_size=4,
                                per_device_eval_batch_size=8, learning_rate=1e-3, lr_scheduler_type="constant",

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 import hf_dspark  # registers the drafter classes and the generate() integration
-from hf_dspark.models.default_target import load_default_target
+from hf_dspark.targets.default_target import load_default_target
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--target", default=None, help="causal LM path (default: embedded SmolLM2-135M-Instruct)")

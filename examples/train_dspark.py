@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 import hf_dspark
-from hf_dspark.models.default_target import load_default_target
+from hf_dspark.targets.default_target import load_default_target
 from hf_dspark.training import DSparkTrainer, RegeneratedDataset, most_frequent_tokens
 from hf_dspark.training.recipes import answer_token_counts
 

@@ -9,24 +9,16 @@ transformers' public `custom_generate` hook.
 from transformers import AutoConfig, AutoModel
 
 from . import hub  # noqa: F401  (installs the save/push hooks of the drafters)
+from . import models
 from ._version import __version__
 from .generation import SpeculativeDecoderOnlyOutput, SpeculativeStats, greedy_verify, rejection_sample
-from .generation.integration import custom_generate_for, install_generate_hooks
-from .models import (
-    AutoDrafter,
-    DraftContextCache,
-    DrafterLoadError,
-    DrafterTargetMismatchError,
-    DraftPreTrainedModel,
-    DSparkDraftConfig,
-    DSparkDraftModel,
-    Eagle3DraftConfig,
-    Eagle3DraftModel,
-    UserInputError,
-)
-from .models.default_target import default_target_dir, load_default_target
+from .generation.custom_generate import custom_generate_for
+from .generation.integration import install_generate_hooks
+from .models import *  # noqa: F401,F403  (the drafter API, `hf_dspark.models.__all__`, is the package's too)
+from .models import DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig, Eagle3DraftModel
 from .models.loading import shipped_drafter_path
-from .scheduling import DSparkScheduler, VerificationCostTable
+from .scheduling import DraftingState, DSparkScheduler, VerificationCostTable
+from .targets.default_target import default_target_dir, load_default_target
 
 AutoConfig.register(DSparkDraftConfig.model_type, DSparkDraftConfig, exist_ok=True)
 AutoConfig.register(Eagle3DraftConfig.model_type, Eagle3DraftConfig, exist_ok=True)
@@ -45,19 +37,12 @@ def build_dflash_config(target_config, **overrides) -> DSparkDraftConfig:
 
 
 __all__ = [
-    "AutoDrafter",
-    "DraftContextCache",
-    "DrafterLoadError",
-    "DrafterTargetMismatchError",
-    "DraftPreTrainedModel",
-    "DSparkDraftConfig",
-    "DSparkDraftModel",
+    *models.__all__,
     "DSparkScheduler",
-    "Eagle3DraftConfig",
-    "Eagle3DraftModel",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeStats",
     "VerificationCostTable",
+    "DraftingState",
     "build_dflash_config",
     "custom_generate_for",
     "default_target_dir",
@@ -65,5 +50,4 @@ __all__ = [
     "load_default_target",
     "rejection_sample",
     "shipped_drafter_path",
-    "UserInputError",
 ]

@@ -12,7 +12,7 @@ from transformers import AutoModel, Qwen3Config
 
 import hf_dspark
 from hf_dspark.cli.main import main
-from hf_dspark.models.common import DrafterLoadError, UserInputError
+from hf_dspark.models.errors import DrafterLoadError, UserInputError
 from conftest import tiny_drafter, tiny_target
 
 VOCAB = 96
@@ -89,7 +89,7 @@ def test_the_command_line_takes_every_layout(tmp_path, capsys):
     on the embedded SmolLM2 target: it loads with no convert step and the output is identical to plain greedy."""
     import json as json_module
 
-    from hf_dspark.models.default_target import default_target_dir, load_default_target
+    from hf_dspark.targets.default_target import default_target_dir, load_default_target
 
     load_default_target()  # the cached copy the CLI reads
     shapes = json_module.loads((default_target_dir() / "config.json").read_text())

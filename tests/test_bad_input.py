@@ -1,5 +1,5 @@
 """Settings that cannot work are refused the same way at batch size 1 and in a batch, with a ValueError that names
-the setting (issue 16: top_p=0, num_draft_tokens, a drafter on another device than its target); checkpoints whose
+the setting (issue 16: top_p=0, num_assistant_tokens, a drafter on another device than its target); checkpoints whose
 weights are not safetensors files inside their folder are refused before any is read (issue 25)."""
 
 import json
@@ -63,22 +63,28 @@ def test_top_p_inside_its_range_still_samples_at_both_batch_sizes(pair):
     assert one.shape[1] == prompt_list[0].shape[1] + MAX_NEW and two.shape[1] == ids.shape[1] + MAX_NEW
 
 
-def test_num_draft_tokens_holds_in_a_batch_as_at_batch_one(pair):
+def test_num_assistant_tokens_holds_in_a_batch_as_at_batch_one(pair, monkeypatch):
     target, drafter = pair
     prompt_list = prompts(3)
     ids, mask = batch_of(prompt_list)
     expected = [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW)[0] for p in prompt_list]
-    with pytest.raises(ValueError, match=r"num_draft_tokens must be an int from 1 to the drafter's 4 draft slots"):
-        drafter.num_draft_tokens = 6  # was a crash at batch 1 and a silent clamp in a batch
-    try:
-        drafter.num_draft_tokens = 2
-        target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False, max_new_tokens=MAX_NEW)
-        batch = drafter.last_batch_output
-        for sequence, reference in zip(batch.sequences, expected):
-            assert torch.equal(sequence, reference)
-        assert max(max(s.draft_lengths) for s in batch.stats) == 2
-    finally:
-        drafter.num_draft_tokens = None
+    # Was a crash at batch 1 and a silent clamp in a batch: now both refuse it, alike, before any forward.
+    with monkeypatch.context() as patched:
+        patched.setattr(type(target), "forward", lambda *a, **k: pytest.fail("a forward ran"))
+        messages = set()
+        for batch_ids, batch_mask in ((prompt_list[0], None), (ids, mask)):
+            with pytest.raises(ValueError, match=r"num_assistant_tokens must be an int from 1 to the drafter's 4 "
+                                                 r"draft slots") as raised:
+                target.generate(batch_ids, attention_mask=batch_mask, assistant_model=drafter, do_sample=False,
+                                max_new_tokens=MAX_NEW, num_assistant_tokens=6)
+            messages.add(str(raised.value))
+        assert len(messages) == 1
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False, max_new_tokens=MAX_NEW,
+                          num_assistant_tokens=2, return_dict_in_generate=True)
+    for row, reference in enumerate(expected):
+        sequence = out.sequences[row, int((mask[row] == 0).sum()):]  # no EOS: every row ran MAX_NEW tokens
+        assert torch.equal(sequence, reference)
+    assert len(out.request_stats) == 3 and max(max(s.draft_lengths) for s in out.request_stats) == 2
 
 
 def test_a_drafter_on_another_device_is_named_in_attach_target():
@@ -195,7 +201,7 @@ def test_a_drafter_index_naming_a_pickle_or_a_file_outside_its_folder_is_refused
 
 @pytest.mark.parametrize("entry", ["weights.bin", "../outside.safetensors"])
 def test_a_target_index_naming_a_pickle_or_a_file_outside_its_folder_is_refused(tmp_path, entry, unpickled):
-    from hf_dspark.models.loading import load_target
+    from hf_dspark.targets.loading import load_target
 
     folder = tmp_path / "target"
     tiny_target("llama").save_pretrained(folder)
@@ -207,7 +213,7 @@ def test_a_target_index_naming_a_pickle_or_a_file_outside_its_folder_is_refused(
 
 def test_a_target_with_only_pickled_weights_is_refused(tmp_path, unpickled):
     """No index at all: transformers would fall back to pytorch_model.bin unless told safetensors only."""
-    from hf_dspark.models.loading import load_target
+    from hf_dspark.targets.loading import load_target
 
     folder = tmp_path / "target"
     tiny_target("llama").save_pretrained(folder)
@@ -222,7 +228,8 @@ def test_a_target_with_only_pickled_weights_is_refused(tmp_path, unpickled):
 @pytest.mark.parametrize("what", ["drafter", "target"])
 def test_config_transformers_weights_naming_a_pickle_is_refused(tmp_path, what, unpickled):
     """config.json's `transformers_weights` picks the weights file; transformers accepts adapter_model.bin there."""
-    from hf_dspark.models.loading import load_drafter, load_target
+    from hf_dspark.models.loading import load_drafter
+    from hf_dspark.targets.loading import load_target
 
     folder = tmp_path / what
     target = tiny_target("llama")
@@ -292,12 +299,12 @@ def test_the_cli_refuses_a_bad_drafter_index_in_one_line(tmp_path, capsys, unpic
     from transformers import AutoTokenizer
 
     from hf_dspark.cli.main import main
-    from hf_dspark.models.default_target import default_target_dir
+    from hf_dspark.targets.default_target import default_target_dir
 
     from test_regeneration import tiny_chat_target
 
     if not (default_target_dir() / "tokenizer.json").is_file():
-        from hf_dspark.models.default_target import load_default_target
+        from hf_dspark.targets.default_target import load_default_target
 
         load_default_target()
     tokenizer = AutoTokenizer.from_pretrained(default_target_dir())

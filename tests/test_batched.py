@@ -5,12 +5,15 @@ from collections import Counter
 
 import pytest
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import hf_dspark.generation.batched as batched
+import hf_dspark.generation.engine_rounds as engine_rounds
 from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
 from conftest import VOCAB, prompts, tiny_drafter, tiny_target
-from test_sampling_lossless import TINY_VOCAB, assert_matches, exact_three_token_distribution
+from lossless_checks import assert_three_tokens_match
+from test_sampling_lossless import TINY_VOCAB, chi_square, critical_value, exact_three_token_distribution
 
 MAX_NEW = 16
 
@@ -193,12 +196,7 @@ def test_batched_sampling_matches_target_distribution():
     assert len(first_lengths) >= 2 and first_lengths[0] < samples  # the scheduler both drafted and declined
     assert 0.05 * drafted < accepted < 0.95 * drafted  # both accepted and rejected drafts occurred
 
-    power = [
-        assert_matches(counts.sum(2), joint.sum(2), biased.sum(2), samples),  # (x1, x2)
-        assert_matches(counts.sum(0), joint.sum(0), biased.sum(0), samples),  # (x2, x3)
-        assert_matches(counts, joint, biased, samples),  # (x1, x2, x3)
-    ]
-    assert max(power) > 3  # the same bound would reject the double-temperature sampler
+    assert_three_tokens_match(counts, joint, biased, samples)  # (x1, x2, x3)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -288,14 +286,14 @@ def test_engine_mixes_sampling_settings_and_limits():
     assert engine.num_waiting == engine.num_running == 0 and engine.run_until_done() == {}
 
 
-def test_engine_takes_the_drafter_policy_and_resets_the_scheduler():
+def test_engine_takes_its_policy_explicitly_and_resets_the_scheduler():
+    """The engine reads no drafting setting off the drafter: the policy is what its caller passes."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "markov", block_size=4)
     scheduler = DSparkScheduler(VerificationCostTable([1.0 + 0.15 * i for i in range(40)]), mode="two_steps_ago")
     for _ in range(2):  # history left over from an earlier generation
         scheduler.select_lengths(torch.ones(1, 4))
-    drafter.verification_policy = scheduler
-    engine = batched.SpeculativeEngine(target, drafter)
+    engine = batched.SpeculativeEngine(target, drafter, "scheduler", scheduler)
     assert engine.policy == "scheduler" and engine.policy_arg is scheduler and len(scheduler._history) == 0
     prompt_list = prompts(3)
     for prompt in prompt_list:
@@ -401,7 +399,7 @@ def test_a_failing_step_is_undone_and_the_engine_resumes(monkeypatch, where):
     engine.step()
     ids += [engine.submit(prompt_list[i][0], MAX_NEW) for i in range(2, 4)]
     culprit = ids[3]
-    original = batched._target_forward
+    original = engine_rounds.target_forward
     calls = []
     failing_call = 0 if where == "admission" else 1  # a step prefills the newcomers, then verifies every row
 
@@ -412,7 +410,7 @@ def test_a_failing_step_is_undone_and_the_engine_resumes(monkeypatch, where):
             raise RuntimeError("simulated failure")
         return out
 
-    monkeypatch.setattr(batched, "_target_forward", failing_forward)
+    monkeypatch.setattr(engine_rounds, "target_forward", failing_forward)
     running = {r: engine._requests[r].tokens.copy() for r in ids}
     width = engine._rows.target_valid.shape[1]
     with pytest.raises(RuntimeError, match="simulated failure") as raised:
@@ -445,3 +443,137 @@ def test_cancel_a_running_request_keeps_the_others():
     outputs = engine.run_until_done()
     assert sorted(outputs) == [ids[0], ids[2]]
     assert torch.equal(outputs[ids[0]], expected[0]) and torch.equal(outputs[ids[2]], expected[2])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# No drafter: plain continuous batching, and conversations continued on their parked caches
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_plain_engine_rows_joining_late_match_plain_greedy():
+    target = tiny_target("llama")
+    prompt_list = prompts(5) + [prompts(1, length=15, seed=7)[0]]  # a newcomer longer than the running rows
+    max_new = {0: 16, 1: 9, 2: 16, 3: 5, 4: 12, 5: 10}
+    arrivals = {0: 0, 1: 0, 2: 2, 3: 3, 4: 3, 5: 5}
+    references = [target.generate(p, do_sample=False, max_new_tokens=24)[0] for p in prompt_list]
+    engine = batched.SpeculativeEngine(target, keep_stats=True)
+    outputs = run_staggered(engine, prompt_list, arrivals, max_new)
+    for index, prompt in enumerate(prompt_list):
+        assert torch.equal(outputs[index], references[index][: prompt.shape[1] + max_new[index]]), f"request {index}"
+    # Every round verified no drafts and emitted one token per running row.
+    assert all(set(s.draft_lengths) == {0} and sum(s.accepted) == 0 for s in engine.stats.values())
+    assert max(engine.verified_tokens_per_round) <= len(prompt_list)
+
+
+def test_later_turns_continue_on_the_parked_cache_with_only_their_new_tokens(monkeypatch):
+    """Two conversations finish a turn; their next turns (of different lengths, so the resumed rows have holes)
+    join a running fresh prompt in one admission, prefilling only the new tokens, and equal plain greedy decoding
+    of the whole text."""
+    target = tiny_target("llama")
+    first = prompts(3, length=7)
+    engine = batched.SpeculativeEngine(target)
+    ids = [engine.submit(p[0], 6 + 2 * index, keep_cache=True) for index, p in enumerate(first[:2])]
+    outputs = engine.run_until_done()
+    parked = [engine.take_parked(r) for r in ids]
+    assert [p.tokens for p in parked] == [outputs[r].tolist()[:-1] for r in ids]
+    with pytest.raises(KeyError, match="keep_cache=True"):
+        engine.take_parked(ids[0])
+    follow_ups = [torch.cat([outputs[r], torch.tensor(extra)]) for r, extra in zip(ids, ([5, 9, 2], [7, 3, 8, 1, 4]))]
+    fed = []
+    original = engine_rounds.target_forward
+    monkeypatch.setattr(engine_rounds, "target_forward", lambda target_, rows, tokens, *a, **k: (
+        fed.append(tokens.shape), original(target_, rows, tokens, *a, **k))[1])
+    running = engine.submit(first[2][0], 12)
+    engine.step()
+    resumed = [engine.submit(text, 10, resume=cache) for text, cache in zip(follow_ups, parked)]
+    result = engine.run_until_done()
+    # One forward for both continued conversations, over their new tokens only (the last answer token, never fed
+    # to the target, then the new turn).
+    assert fed[2] == (2, 1 + 5)
+    for request, text in zip(resumed, follow_ups):
+        assert torch.equal(result[request], target.generate(text[None], do_sample=False, max_new_tokens=10)[0])
+    assert torch.equal(result[running], plain_greedy(target, [first[2]])[0][: first[2].shape[1] + 12])
+
+
+def test_plain_sampled_rows_follow_the_target_and_their_own_generators():
+    target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None, bos_token_id=None)
+    prompt = torch.tensor([1, 4, 2, 5])
+    temperature, top_p = 0.7, 0.9
+    joint = exact_three_token_distribution(target, prompt[None], temperature, top_p)
+    biased = exact_three_token_distribution(target, prompt[None], temperature * temperature, top_p)
+    counts = torch.zeros(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB)
+    engine = batched.SpeculativeEngine(target, generator=torch.Generator().manual_seed(2024))
+    samples = 2000
+    for index in range(samples):  # half draw from their own generator, half from the engine's
+        own = torch.Generator().manual_seed(index) if index % 2 else None
+        engine.submit(prompt, 3, do_sample=True, temperature=temperature, top_p=top_p, generator=own)
+        if index % 50 == 49:
+            for sequence in engine.run_until_done().values():
+                counts[tuple(sequence[4:7].tolist())] += 1
+    assert_three_tokens_match(counts, joint, biased, samples)
+
+    # A request with its own generator draws the same tokens whatever shares its rounds.
+    def sampled(neighbours: int) -> torch.Tensor:
+        engine = batched.SpeculativeEngine(target)
+        for other in prompts(neighbours, length=5, vocab_size=TINY_VOCAB):
+            engine.submit(other[0], 7, do_sample=True)
+        mine = engine.submit(prompt, 12, do_sample=True, temperature=temperature, top_p=top_p,
+                             generator=torch.Generator().manual_seed(5))
+        return engine.run_until_done()[mine]
+
+    assert torch.equal(sampled(0), sampled(3))
+
+
+def test_plain_top_k_rows_draw_from_the_full_vocabularys_warped_distribution():
+    """With a top-k the plain engine warps and draws over the k largest logits only: the same distribution as
+    generate's warpers over the whole vocabulary."""
+    target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None, bos_token_id=None)
+    prompt = torch.tensor([1, 4, 2, 5])
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(3), TopPLogitsWarper(0.95)])
+    with torch.no_grad():
+        probs = warpers(prompt[None], target(prompt[None]).logits[:, -1]).softmax(-1)[0]
+    engine = batched.SpeculativeEngine(target, generator=torch.Generator().manual_seed(7))
+    counts = torch.zeros(TINY_VOCAB)
+    for index in range(3000):
+        own = torch.Generator().manual_seed(index) if index % 2 else None
+        engine.submit(prompt, 1, do_sample=True, temperature=0.7, top_k=3, top_p=0.95, generator=own)
+        if index % 100 == 99:
+            for sequence in engine.run_until_done().values():
+                counts[int(sequence[-1])] += 1
+    assert int((probs > 0).sum()) >= 2 and not counts[probs == 0].any()
+    assert chi_square(counts, probs) < critical_value(int((probs > 0).sum()) - 1)
+
+
+def test_plain_engine_refusals_and_undo_of_a_resumed_admission(monkeypatch):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    prompt = prompts(1, length=6)[0][0]
+    with pytest.raises(ValueError, match="verifies no drafts"):
+        batched.SpeculativeEngine(target, policy="fixed", policy_arg=1)
+    with pytest.raises(ValueError, match="plain decoding"):
+        batched.SpeculativeEngine(target, drafter).submit(prompt, 4, keep_cache=True)
+    engine = batched.SpeculativeEngine(target)
+    with pytest.raises(ValueError, match="max_new_tokens >= 1"):
+        engine.submit(prompt, 0, keep_cache=True)
+    request = engine.submit(prompt, 4, keep_cache=True)
+    text = engine.run_until_done()[request]
+    parked = engine.take_parked(request)
+    with pytest.raises(ValueError, match="strict prefix"):
+        engine.submit(torch.cat([text[:3] + 1, text[3:]]), 4, resume=parked)
+    with pytest.raises(ValueError, match="strict prefix"):
+        engine.submit(text[:-1], 4, resume=parked)  # nothing new to prefill
+    continued = torch.cat([text, torch.tensor([3, 8])])
+    request = engine.submit(continued, 6, resume=parked)
+    original = engine_rounds.target_forward
+
+    def failing_forward(*args, **kwargs):
+        original(*args, **kwargs)
+        raise RuntimeError("simulated failure")
+
+    monkeypatch.setattr(engine_rounds, "target_forward", failing_forward)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        engine.step()
+    assert engine.num_waiting == 1 and engine._requests[request].resume is parked  # the admission was undone
+    monkeypatch.setattr(engine_rounds, "target_forward", original)
+    assert torch.equal(engine.run_until_done()[request],
+                       target.generate(continued[None], do_sample=False, max_new_tokens=6)[0])

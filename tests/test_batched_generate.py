@@ -1,5 +1,5 @@
 """`target.generate(left-padded batch, assistant_model=drafter)` runs the batched engine: each row equals the prompt's
-own plain greedy output, laid out as stock `generate` lays out a batch; the drafter's `verification_policy` decides
+own plain greedy output, laid out as stock `generate` lays out a batch; the `dspark_verification_policy` setting decides
 how many drafts are verified; options the engine cannot honour fail loudly instead of being ignored."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from hf_dspark.generation.batched import resolve_verification_policy
+from hf_dspark.generation import DraftingPlan
 from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
 from conftest import prompts, tiny_drafter, tiny_target
 from test_batched import left_pad
@@ -36,15 +36,15 @@ def test_greedy_batch_matches_plain_greedy_per_prompt(kind):
     drafter = tiny_drafter(target, kind, block_size=4)
     prompt_list = prompts(3)
     ids, mask = left_pad(prompt_list)
-    result = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
-                             max_new_tokens=MAX_NEW)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
+                          max_new_tokens=MAX_NEW, return_dict_in_generate=True)
+    result = out.sequences
     assert result.shape == (3, ids.shape[1] + MAX_NEW)
     assert torch.equal(result[:, : ids.shape[1]], ids)  # prompts as given, left padding included
-    assert unpadded_rows(result, mask, pad=0) == plain_outputs(target, prompt_list)
+    assert unpadded_rows(result, mask, pad=0) == plain_outputs(target, prompt_list)  # each request's own sequence
 
-    stats, batch = drafter.last_generation_stats, drafter.last_batch_output
-    assert len(batch.stats) == 3 and stats.num_rounds == sum(s.num_rounds for s in batch.stats) > 0
-    assert [s.tolist() for s in batch.sequences] == plain_outputs(target, prompt_list)
+    stats = drafter.last_generation_stats
+    assert len(out.request_stats) == 3 and stats.num_rounds == sum(s.num_rounds for s in out.request_stats) > 0
     assert max(stats.draft_lengths) == 4  # default policy "all"
 
 
@@ -101,7 +101,7 @@ def test_verification_policy_is_honoured():
     expected = plain_outputs(target, prompt_list)
 
     def run(policy):
-        drafter.verification_policy = policy
+        drafter.generation_config.dspark_verification_policy = policy
         result = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
                                  max_new_tokens=MAX_NEW)
         assert unpadded_rows(result, mask, pad=0) == expected
@@ -118,19 +118,23 @@ def test_verification_policy_is_honoured():
 def test_default_policy_follows_the_batch_one_attributes():
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "markov", block_size=4)
-    assert resolve_verification_policy(drafter) == ("all", None)
-    drafter.confidence_threshold = 0.4
-    assert resolve_verification_policy(drafter) == ("threshold", 0.4)
-    drafter.verification_costs = VerificationCostTable([1.0, 1.2, 1.4])
-    policy, scheduler = resolve_verification_policy(drafter)
-    assert policy == "scheduler" and scheduler.cost_table is drafter.verification_costs
+    settings = drafter.generation_config
+    plan = DraftingPlan.for_call(drafter)
+    assert (plan.policy, plan.policy_arg) == ("all", None)
+    settings.assistant_confidence_threshold = 0.4
+    plan = DraftingPlan.for_call(drafter)
+    assert (plan.policy, plan.policy_arg) == ("threshold", 0.4)
+    settings.dspark_cost_table = VerificationCostTable([1.0, 1.2, 1.4])
+    plan = DraftingPlan.for_call(drafter)
+    assert plan.policy == "scheduler" and plan.policy_arg.cost_table is settings.dspark_cost_table
     dflash = tiny_drafter(target, "dflash")
-    dflash.confidence_threshold, dflash.verification_costs = 0.4, drafter.verification_costs
-    assert resolve_verification_policy(dflash) == ("all", None)  # no confidence head: both are ignored, as at R=1
+    dflash.generation_config.update(assistant_confidence_threshold=0.4, dspark_cost_table=settings.dspark_cost_table)
+    plan = DraftingPlan.for_call(dflash)
+    assert (plan.policy, plan.policy_arg) == ("all", None)  # no confidence head: both are ignored, as at R=1
 
-    drafter.confidence_threshold = 1.5  # and generate() uses it
+    settings.assistant_confidence_threshold = 1.5  # and generate() uses it
     ids, mask = left_pad(prompts(2))
-    drafter.verification_costs = None
+    settings.dspark_cost_table = None
     target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False, max_new_tokens=6)
     assert sum(drafter.last_generation_stats.draft_lengths) == 0
 

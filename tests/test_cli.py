@@ -3,24 +3,17 @@
 import json
 
 import pytest
-import torch
 
 from hf_dspark.cli.main import main
 from hf_dspark.scheduling import VerificationCostTable, profile_verification_costs
 from conftest import tiny_drafter
-from test_regeneration import tiny_chat_target, tokenizer  # noqa: F401  (fixture)
+from saved_chat_models import save_chat_target_and_drafters
+from test_regeneration import tokenizer  # noqa: F401  (fixture)
 
 
 @pytest.fixture(scope="module")
 def saved_pair(tmp_path_factory, tokenizer):  # noqa: F811
-    folder = tmp_path_factory.mktemp("pair")
-    target = tiny_chat_target(tokenizer)
-    target.save_pretrained(folder / "target")
-    tokenizer.save_pretrained(folder / "target")
-    drafter = tiny_drafter(target, "markov", block_size=4, draft_vocab_size=512)
-    drafter.set_draft_vocab(torch.arange(512))
-    drafter.save_pretrained(folder / "drafter")
-    return folder
+    return save_chat_target_and_drafters(tmp_path_factory.mktemp("pair"), tokenizer, {"drafter": "markov"})
 
 
 def test_generate_streams_and_compares_with_plain(saved_pair, capsys, monkeypatch, tmp_path):
@@ -162,7 +155,7 @@ def test_negative_temperature_is_refused_by_every_command(capsys, command):
 
 
 def test_impossible_flags_are_refused_before_any_model_loads(capsys, monkeypatch):
-    import hf_dspark.models.loading as loading
+    import hf_dspark.targets.loading as loading
 
     monkeypatch.setattr(loading, "load_target", lambda *a, **k: pytest.fail("loaded a model"))
     refused(capsys, ["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1", "got 0")

@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from hf_dspark.generation.target_forward import (DynamicTargetRunner, StaticTargetRunner, target_runner_for,
                                                  verification_buckets)
+from hf_dspark import DraftingState
 from hf_dspark.scheduling import VerificationCostTable
 from conftest import prompts, tiny_drafter, tiny_target
 
@@ -86,14 +87,14 @@ def test_bucket_rules_cover_every_round():
     target = tiny_target("llama", vocab_size=SMALL_VOCAB)
     for block_size in (1, 3, 4, 7):
         drafter = tiny_drafter(target, "markov", block_size=block_size)
-        buckets = verification_buckets(drafter)
+        buckets = verification_buckets(drafter.config.num_draft_slots)
         most = block_size + 1
         assert list(buckets) == sorted(set(buckets)) and buckets[-1] == most
         assert all(b & (b - 1) == 0 for b in buckets[:-1])  # powers of two below the largest round
         assert all(any(n <= b < 2 * n for b in buckets) for n in range(1, most + 1))  # never more than doubled
-        drafter.verification_costs = COSTS
-        assert verification_buckets(drafter) == tuple(sorted({COSTS.padded_tokens(n) for n in range(1, most + 1)}))
-    assert verification_buckets(drafter) != (1, 2, 4, 8)
+        assert verification_buckets(drafter.config.num_draft_slots, COSTS) == tuple(
+            sorted({COSTS.padded_tokens(n) for n in range(1, most + 1)}))
+    assert verification_buckets(drafter.config.num_draft_slots, COSTS) != (1, 2, 4, 8)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -103,23 +104,25 @@ def test_compiled_verification_matches_plain_greedy(targets, recorder, compile_c
                                                     family, kind, with_costs):
     target = targets[family]
     drafter = tiny_drafter(target, kind, block_size=BLOCK_SIZE)
-    drafter.suffix_drafting = True
-    drafter.verification_costs = COSTS if with_costs else None
+    costs = COSTS if with_costs else None
     # The synthetic table is the truth here: costs timed in the loop would follow this machine's load (under heavy
     # load they priced drafting out and no round was rejected).
-    drafter.learn_round_costs = False
+    drafter.generation_config.update(dspark_suffix_drafting=True, dspark_cost_table=costs,
+                                     dspark_learn_round_costs=False)
     graphs_before, calls_before, rounds, accepted = len(recorder.lengths), recorder.calls, 0, []
     with_logits = dict(do_sample=False, return_dict_in_generate=True, output_logits=True)
+    state = DraftingState()  # the planner learns over the three prompts
     for ids in prompts(3, vocab_size=SMALL_VOCAB):  # three prompt lengths: one cache length, no recompiles
         expected = target.generate(ids, max_new_tokens=NEW_TOKENS, **with_logits)
-        actual = static_generate(target, ids, drafter, compile_config, **with_logits)
+        actual = static_generate(target, ids, drafter, compile_config, dspark_state=state, **with_logits)
         assert torch.equal(actual.sequences, expected.sequences)
         torch.testing.assert_close(torch.cat(actual.logits), torch.cat(expected.logits), rtol=1e-4, atol=1e-4)
         stats = drafter.last_generation_stats
         rounds += stats.num_rounds
         accepted += [a for a, d in zip(stats.accepted, stats.draft_lengths) if d > 0]
     new_graphs = recorder.lengths[graphs_before:]
-    assert set(new_graphs) <= set(verification_buckets(drafter))  # every compiled shape is a bucket ...
+    buckets = verification_buckets(drafter.config.num_draft_slots, costs)
+    assert set(new_graphs) <= set(buckets)  # every compiled shape is a bucket ...
     assert len(new_graphs) == len(set(new_graphs))  # ... compiled once for all three prompts
     assert recorder.calls - calls_before == rounds  # every verification ran through the compiled forward
     assert 0 in accepted and max(accepted) >= 1  # rejected drafts cropped; accepted ones commit several tokens
@@ -129,12 +132,13 @@ def test_sliding_window_target_keeps_its_window(targets, recorder, compile_confi
     target = targets["gemma3"]
     window = target.config.sliding_window
     drafter = tiny_drafter(target, "markov", block_size=BLOCK_SIZE)
-    drafter.suffix_drafting = True
+    drafter.generation_config.dspark_suffix_drafting = True
     calls_before = recorder.calls
     with_logits = dict(do_sample=False, return_dict_in_generate=True, output_logits=True)
+    state = DraftingState()  # the planner learns over both prompts
     for ids in prompts(2, vocab_size=SMALL_VOCAB):
         expected = target.generate(ids, max_new_tokens=NEW_TOKENS, **with_logits)
-        output = static_generate(target, ids, drafter, compile_config, **with_logits)
+        output = static_generate(target, ids, drafter, compile_config, dspark_state=state, **with_logits)
         assert output.sequences.shape[1] > 3 * window  # rounds crop long after the window filled
         assert torch.equal(output.sequences, expected.sequences)
         # Logits too: a wrong window would barely move a random target's argmax, but it moves its logits.
@@ -196,8 +200,9 @@ def test_aot_eager_backend_single_bucket():
     cheapest at the largest size pads all of them to it."""
     target = tiny_target("llama", vocab_size=SMALL_VOCAB)
     drafter = tiny_drafter(target, "markov", block_size=BLOCK_SIZE)
-    drafter.verification_costs = VerificationCostTable([2.0, 2.0, 2.0, 2.0, 1.0])
-    assert verification_buckets(drafter) == (BLOCK_SIZE + 1,)
+    drafter.generation_config.dspark_cost_table = VerificationCostTable([2.0, 2.0, 2.0, 2.0, 1.0])
+    assert verification_buckets(drafter.config.num_draft_slots, drafter.generation_config.dspark_cost_table) == (
+        BLOCK_SIZE + 1,)
     config = compile_all_devices(CompileConfig(backend="aot_eager", dynamic=False, mode="default"))
     with torch._dynamo.config.patch(recompile_limit=64):
         for ids in prompts(2, vocab_size=SMALL_VOCAB):
@@ -229,4 +234,4 @@ def test_unsupported_static_caches_are_refused_before_decoding():
     odd = StaticCache(config=target.config, max_cache_len=64)
     odd.layers[1] = DynamicLayer()  # e.g. a cache put together by hand
     with pytest.raises(ValueError, match="full and sliding-window attention layers.*Drop cache_implementation"):
-        target_runner_for(target, odd, GenerationConfig(max_length=32), [1], drafter)
+        target_runner_for(target, odd, GenerationConfig(max_length=32), [1], drafter.config.num_draft_slots)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 import hf_dspark
 from hf_dspark.cli.main import main
 from hf_dspark.hub.convert import export_deepspec, import_deepspec
-from hf_dspark.models.common import DrafterLoadError
+from hf_dspark.models.errors import DrafterLoadError
 from conftest import prompts, tiny_drafter, tiny_target
 
 
@@ -544,21 +544,26 @@ def _deepspec_length(confidences: list[float], threshold: float) -> int:
     return below[0] if below else len(confidences)
 
 
-def test_imported_drafters_use_deepspecs_per_slot_threshold(qwen3, tmp_path):
+def test_imported_drafters_use_deepspecs_per_slot_threshold(qwen3, tmp_path, monkeypatch):
     config, weights = published_layout(qwen3)
     drafter = import_deepspec(write_checkpoint(tmp_path / "d", config, weights))
-    assert drafter.config.confidence_threshold_rule == "per_slot" and drafter.confidence_threshold_rule == "per_slot"
+    assert drafter.config.confidence_threshold_rule == "per_slot"
+    assert drafter.generation_config.dspark_confidence_threshold_rule == "per_slot"
     drafter.save_pretrained(tmp_path / "ours")
-    assert hf_dspark.DSparkDraftModel.from_pretrained(tmp_path / "ours").confidence_threshold_rule == "per_slot"
-    assert tiny_drafter(qwen3, "markov").confidence_threshold_rule == "cumulative"  # ours stays cumulative
-    with pytest.raises(ValueError, match="confidence_threshold_rule"):
-        drafter.confidence_threshold_rule = "product"
+    loaded = hf_dspark.DSparkDraftModel.from_pretrained(tmp_path / "ours")
+    assert loaded.generation_config.dspark_confidence_threshold_rule == "per_slot"
+    # Ours stays cumulative.
+    assert tiny_drafter(qwen3, "markov").generation_config.dspark_confidence_threshold_rule == "cumulative"
+    drafter.generation_config.dspark_confidence_threshold_rule = "product"
+    monkeypatch.setattr(type(qwen3), "forward", lambda *a, **k: pytest.fail("a forward ran"))
+    with pytest.raises(ValueError, match="confidence_threshold_rule"):  # refused before any token
+        qwen3.generate(prompts(1)[0], assistant_model=drafter, do_sample=False, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("rule", ["per_slot", "cumulative"])
 def test_per_slot_threshold_gives_deepspecs_draft_lengths_and_stays_exact(qwen3, monkeypatch, rule):
     drafter = tiny_drafter(qwen3, "markov", block_size=6)
-    drafter.confidence_threshold, drafter.confidence_threshold_rule = 0.35, rule
+    drafter.generation_config.update(assistant_confidence_threshold=0.35, dspark_confidence_threshold_rule=rule)
     rounds = _record_rounds(monkeypatch, drafter)
     for ids in prompts(3):
         out = qwen3.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=20)
@@ -571,7 +576,7 @@ def test_per_slot_threshold_gives_deepspecs_draft_lengths_and_stays_exact(qwen3,
 @pytest.mark.parametrize("rule", ["per_slot", "cumulative"])
 def test_per_slot_threshold_in_a_batch_gives_deepspecs_draft_lengths_and_stays_exact(qwen3, monkeypatch, rule):
     drafter = tiny_drafter(qwen3, "markov", block_size=6)
-    drafter.confidence_threshold, drafter.confidence_threshold_rule = 0.35, rule
+    drafter.generation_config.update(assistant_confidence_threshold=0.35, dspark_confidence_threshold_rule=rule)
     rounds = _record_rounds(monkeypatch, drafter)
     ids = torch.cat([p[:, :6] for p in prompts(3)])
     mask = torch.ones_like(ids)

@@ -13,8 +13,8 @@ from transformers import AutoModel, AutoTokenizer
 
 import hf_dspark
 from hf_dspark.evaluation import benchmark_path
-from hf_dspark.models import default_target
-from hf_dspark.models.default_target import default_target_dir, load_default_target
+from hf_dspark.targets import default_target
+from hf_dspark.targets.default_target import default_target_dir, load_default_target
 from hf_dspark.training.regenerate import chat_prompt_ids
 
 SHIPPED = hf_dspark.shipped_drafter_path("dspark")
@@ -50,10 +50,10 @@ def test_every_shipped_drafter_is_lossless_with_and_without_suffix_drafting():
     costs = VerificationCostTable([1.0, 1.6, 2.0, 1.5, 1.7, 1.7, 1.9, 1.7], draft_seconds=0.15)
     for kind in ("dspark", "dflash", "eagle3"):
         drafter = AutoModel.from_pretrained(hf_dspark.shipped_drafter_path(kind)).eval()
-        assert drafter.suffix_drafting  # on by default for the shipped drafters
+        assert drafter.generation_config.dspark_suffix_drafting  # on by default for the shipped drafters
         sources = set()
         for suffix, table in ((True, costs), (False, None)):
-            drafter.suffix_drafting, drafter.verification_costs = suffix, table
+            drafter.generation_config.update(dspark_suffix_drafting=suffix, dspark_cost_table=table)
             for ids, expected in zip(inputs, plain):
                 actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=48)
                 assert torch.equal(actual, expected), (kind, suffix)

@@ -11,8 +11,10 @@ from transformers import AutoModel, PreTrainedTokenizerFast, TrainingArguments
 
 from hf_dspark.cli.generate import load_drafters
 from hf_dspark.cli.main import build_parser, main
-from hf_dspark.models.common import DraftContextCache, DrafterTargetMismatchError, UserInputError
-from hf_dspark.models.loading import load_drafter, load_target, resolve_device
+from hf_dspark.models.errors import DrafterTargetMismatchError, UserInputError
+from hf_dspark.models.layers import DraftContextCache
+from hf_dspark.models.loading import load_drafter, resolve_device
+from hf_dspark.targets.loading import load_target
 from hf_dspark.scheduling import VerificationCostTable, profile_verification_costs
 from hf_dspark.scheduling.cost_table import verification_shape
 from conftest import VOCAB, prompts, tiny_drafter, tiny_target
@@ -118,7 +120,7 @@ def test_every_model_command_takes_device_and_refuses_a_missing_one_before_loadi
     assert build_parser().parse_args(command).device == "auto"
     assert build_parser().parse_args(command + ["--device", "cuda:1"]).device == "cuda:1"
     import hf_dspark.cli.main as cli
-    import hf_dspark.models.loading as loading
+    import hf_dspark.targets.loading as loading
 
     for module in (cli, loading):
         monkeypatch.setattr(module, "load_target", lambda *a, **k: pytest.fail("loaded a model"))

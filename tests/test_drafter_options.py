@@ -12,7 +12,7 @@ from hf_dspark.hub.export_speculators import export_speculators
 from conftest import VOCAB, prompts, tiny_drafter, tiny_target
 from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.hub.convert import export_deepspec
-from hf_dspark.models.common import UserInputError
+from hf_dspark.models.errors import UserInputError
 from hf_dspark.training import DSparkTrainer, build_blocks
 from test_batched import left_pad
 

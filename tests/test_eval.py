@@ -4,7 +4,6 @@ and a resumed end-to-end run of two drafters on a tiny random chat target saved 
 import json
 
 import pytest
-import torch
 
 from hf_dspark.evaluation import OutputMismatchError, SettingsMismatchError
 from hf_dspark.evaluation.harness import EvalSettings, RecordStore, check_identical
@@ -18,8 +17,8 @@ from hf_dspark.evaluation.quality import (
     run_tests,
 )
 from hf_dspark.generation.stats import SpeculativeStats
-from conftest import tiny_drafter
-from test_regeneration import tiny_chat_target, tokenizer  # noqa: F401  (fixture)
+from saved_chat_models import save_chat_target_and_drafters
+from test_regeneration import tokenizer  # noqa: F401  (fixture)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -179,15 +178,9 @@ def test_eval_cli_rerun_after_a_failed_run_into_the_same_folder(saved_models, tm
 
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory, tokenizer):  # noqa: F811
-    folder = tmp_path_factory.mktemp("eval-models")
-    target = tiny_chat_target(tokenizer)
-    target.save_pretrained(folder / "target")
-    tokenizer.save_pretrained(folder / "target")
-    for kind in ("markov", "dflash"):  # with and without a confidence head
-        drafter = tiny_drafter(target, kind, block_size=4, draft_vocab_size=512)
-        drafter.set_draft_vocab(torch.arange(512))
-        drafter.save_pretrained(folder / kind)
-    return folder
+    # With and without a confidence head.
+    return save_chat_target_and_drafters(tmp_path_factory.mktemp("eval-models"), tokenizer,
+                                         {"markov": "markov", "dflash": "dflash"})
 
 
 def test_eval_end_to_end_resumes_and_refuses_other_settings(saved_models, tmp_path, capsys):

@@ -7,7 +7,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig, WatermarkingConfig
 
 import hf_dspark
-from hf_dspark.models.common import UserInputError
+from hf_dspark.models.errors import UserInputError
 from conftest import prompts, tiny_drafter, tiny_target
 
 EOS = 3

@@ -8,6 +8,7 @@ from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from hf_dspark import DraftingState
 from hf_dspark.generation.candidates import DraftCandidateGenerator
 from hf_dspark.generation.sampling import ProcessorSampling
 from conftest import prompts, tiny_drafter, tiny_target
@@ -161,12 +162,13 @@ def test_confidence_stop_rules_end_blocks_early_and_stay_exact(rule, value, devi
     target = tiny_target("qwen3").to(device)
     drafter = tiny_drafter(target, "markov", block_size=6).to(device)
     if rule == "threshold":
-        drafter.confidence_threshold = value
+        drafter.generation_config.assistant_confidence_threshold = value
     else:
-        drafter.verification_costs = VerificationCostTable(value)
+        drafter.generation_config.dspark_cost_table = VerificationCostTable(value)
+    state = DraftingState()  # the round planner learns over the three prompts
     for ids in prompts(3, device=device):
         expected = plain_greedy(target, ids, max_new_tokens=16)
-        actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16)
+        actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16, dspark_state=state)
         assert torch.equal(actual, expected)
         stats = drafter.last_generation_stats
         for length, confidences in zip(stats.draft_lengths, stats.confidences):
@@ -175,7 +177,7 @@ def test_confidence_stop_rules_end_blocks_early_and_stay_exact(rule, value, devi
             if rule == "threshold":
                 assert (survival >= value).all()
             else:  # every verified slot raised the expected throughput E(k) / cost(k + 1)
-                costs = drafter.verification_costs
+                costs = drafter.generation_config.dspark_cost_table
                 rates = [(1 + float(survival[:k].sum())) / costs.padded_round_seconds(k + 1)
                          for k in range(length + 1)]
                 assert all(later > earlier for earlier, later in zip(rates, rates[1:]))
@@ -234,8 +236,9 @@ def test_verification_padded_to_a_cheaper_size_stays_exact(device):
     assert [table.padded_tokens(n) for n in (1, 2, 4, 5, 6, 9)] == [1, 5, 5, 5, 6, 9]
     target = tiny_target("llama").to(device)
     drafter = tiny_drafter(target, "markov", block_size=6).to(device)
-    drafter.verification_costs = table
-    drafter.learn_round_costs = False  # the table is the truth here, not what the tiny models cost
+    # The table is the truth here, not what the tiny models cost.
+    drafter.generation_config.update(dspark_cost_table=table, dspark_learn_round_costs=False)
+    state = DraftingState()  # the round planner learns over the three prompts
     sizes = []
     hook = target.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]),
                                             with_kwargs=True)
@@ -243,7 +246,8 @@ def test_verification_padded_to_a_cheaper_size_stays_exact(device):
         for ids in prompts(3, device=device):
             expected = plain_greedy(target, ids, max_new_tokens=16)
             sizes.clear()
-            actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16)
+            actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16,
+                                     dspark_state=state)
             assert torch.equal(actual, expected)
             lengths = drafter.last_generation_stats.draft_lengths
             # Every verification forward ran at the padded size of its drafts + 1 (after the prefill).

@@ -41,7 +41,7 @@ def syncs_per_round(target, drafter, ids, do_sample=False, new_tokens=33):
 def test_batch_one_reads_the_device_at_most_twice_per_round(kind, costs):
     target = tiny_target("llama")
     drafter = tiny_drafter(target, kind, block_size=6)
-    drafter.verification_costs = costs
+    drafter.generation_config.dspark_cost_table = costs
     ids = prompts(1, length=10)[0]
     assert syncs_per_round(target, drafter, ids) <= 2.0
     assert syncs_per_round(target, drafter, ids, do_sample=True) <= 2.0
@@ -52,7 +52,7 @@ def test_batch_one_reads_the_device_at_most_twice_per_round(kind, costs):
 def test_batch_one_with_suffix_drafting_and_planning_stays_within_two():
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target, "markov", block_size=6)
-    drafter.suffix_drafting, drafter.verification_costs = True, COSTS
+    drafter.generation_config.update(dspark_suffix_drafting=True, dspark_cost_table=COSTS)
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])  # repetitive: suffix proposals get chosen
     assert syncs_per_round(target, drafter, ids, new_tokens=40) <= 2.0
     assert drafter.last_generation_stats.count("suffix") + drafter.last_generation_stats.count("drafter") > 0

@@ -79,7 +79,7 @@ def test_saved_folder_carries_auto_map_modeling_code_and_custom_generate(saved):
     config = json.loads((folder / "markov" / "config.json").read_text())
     assert config["auto_map"] == {"AutoConfig": "configuration_dspark.DSparkDraftConfig",
                                   "AutoModel": "modeling_dspark.DSparkDraftModel"}
-    for name in ("modeling_dspark.py", "configuration_dspark.py", "common.py", "model.safetensors"):
+    for name in ("modeling_dspark.py", "configuration_dspark.py", "drafter_base.py", "model.safetensors"):
         assert (folder / "markov" / name).is_file()
     custom = folder / "markov" / "custom_generate"
     for name in ("generate.py", "decoding.py", "verification.py", "requirements.txt"):
@@ -218,7 +218,7 @@ def test_push_cli_dry_run_keeps_the_shipped_card_and_fills_results(tmp_path):
     reloaded = hf_dspark.DSparkDraftModel.from_pretrained(out)
     assert reloaded.config.to_dict()["draft_vocab_size"] == 8192
     # The shipped folder holds no code; what gets pushed does (written at save time).
-    for name in ("modeling_dspark.py", "configuration_dspark.py", "common.py", "custom_generate/generate.py",
+    for name in ("modeling_dspark.py", "configuration_dspark.py", "drafter_base.py", "custom_generate/generate.py",
                  "custom_generate/verification.py"):
         assert (out / name).is_file(), name
     assert "auto_map" in json.loads((out / "config.json").read_text())

@@ -17,14 +17,15 @@ from transformers.generation.utils import GenerationMixin
 
 import hf_dspark
 from hf_dspark.generation import integration
+from hf_dspark.generation.custom_generate import custom_generate_for
 from hf_dspark.generation.integration import (
     SUPPORTED_TRANSFORMERS,
     TransformersCompatibilityError,
-    custom_generate_for,
     hook_signature_problems,
     install_generate_hooks,
     loop_support_problems,
 )
+from hf_dspark.generation.settings import SETTING_NAMES
 from hf_dspark.models import UserInputError
 from conftest import prompts, tiny_drafter, tiny_target
 from test_batched import left_pad
@@ -39,6 +40,8 @@ PINNED_PRIVATE_SIGNATURES = {
         "inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer", "model_kwargs",
     ],
     "_validate_generation_mode": ["self", "generation_mode", "generation_config", "generation_mode_kwargs"],
+    "_extract_generation_mode_kwargs": ["self", "custom_generate", "kwargs", "synced_gpus", "assistant_model",
+                                        "streamer"],
 }
 
 
@@ -64,10 +67,10 @@ def test_installed_transformers_keeps_the_private_signatures_the_wrappers_rely_o
         # (it passes `inputs_tensor` only to a decoding method that lists it).
         assert list(inspect.signature(wrapper, follow_wrapped=False).parameters) == pinned
     # generate() decides what a callable custom_generate receives by diffing its parameters against `_sample`'s:
-    # ours must add only the target (`model`), or generate() would start popping user kwargs into it.
+    # ours must add only the target (`model`) and the drafting settings, which it hands over exactly as passed.
     decode = custom_generate_for(tiny_drafter(tiny_target("llama")))
     extra = set(inspect.signature(decode).parameters) - set(inspect.signature(GenerationMixin._sample).parameters)
-    assert extra == {"model"}
+    assert extra == {"model", *SETTING_NAMES}
 
 
 def test_supported_range_in_messages_is_the_one_pyproject_declares():
@@ -85,6 +88,8 @@ class DriftedMixin:
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         return "stock validation"
+
+    _extract_generation_mode_kwargs = stock("_extract_generation_mode_kwargs")
 
     def prepare_inputs_for_generation(self, input_ids, cache=None, **kwargs):
         return {}
@@ -121,6 +126,7 @@ class OldCacheNameMixin:
 
     _assisted_decoding = stock("_assisted_decoding")
     _validate_generation_mode = stock("_validate_generation_mode")
+    _extract_generation_mode_kwargs = stock("_extract_generation_mode_kwargs")
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None, **kwargs):
         return {}

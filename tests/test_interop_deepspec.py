@@ -15,7 +15,8 @@ import hf_dspark
 from hf_dspark.generation.drafting import draft_block
 from hf_dspark.generation.sampling import ProcessorSampling
 from hf_dspark.hub.convert import export_deepspec
-from hf_dspark.models.common import DraftContextCache, DrafterLoadError, DrafterTargetMismatchError, UserInputError
+from hf_dspark.models.errors import DrafterLoadError, DrafterTargetMismatchError, UserInputError
+from hf_dspark.models.layers import DraftContextCache
 from hf_dspark.models.formats import deepspec
 from conftest import prompts, tiny_drafter, tiny_target
 

@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 import hf_dspark
 from hf_dspark.hub.export_speculators import export_speculators
-from hf_dspark.models.common import DraftContextCache, DrafterLoadError, UserInputError
+from hf_dspark.models.errors import DrafterLoadError, UserInputError
+from hf_dspark.models.layers import DraftContextCache
 from hf_dspark.models.formats import speculators as layout
 from conftest import prompts, tiny_drafter, tiny_target
 

@@ -17,7 +17,8 @@ from transformers import Qwen3Config
 
 import hf_dspark  # also routes generate(assistant_model=...) to hf_dspark's loop
 from conftest import tiny_drafter, tiny_target
-from hf_dspark.models.common import DraftContextCache, DrafterLoadError
+from hf_dspark.models.errors import DrafterLoadError
+from hf_dspark.models.layers import DraftContextCache
 from hf_dspark.models.formats import zlab_dflash
 
 VOCAB, BLOCK, MASK = 128, 4, 5
@@ -227,8 +228,8 @@ def test_greedy_generation_matches_zlab_spec_generate(tmp_path, monkeypatch, wit
     top_level, nested, _ = SUPPORTED.get(case, ({}, {}, {}))
     target, theirs = _agreeing_pair(top_level=top_level, **nested)
     ours = zlab_dflash.load(*_saved(theirs, tmp_path))
-    ours.round_planning = False  # draft the full block every round, as z-lab does
-    ours.suffix_drafting = False
+    # Draft the full block every round, as z-lab does.
+    ours.generation_config.update(dspark_round_planning=False, dspark_suffix_drafting=False)
     # z-lab's stats clock synchronises CUDA; on the CPU it only needs a clock (nothing else in its loop changes).
     monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)
     theirs_blocks, our_logits = [], []

@@ -1,6 +1,8 @@
-"""Dependencies run one way: models at the bottom, then scheduling, generation, evaluation (prompt sets, harness),
-training (which decontaminates against the evaluation sets), hub, the package itself, then the command line. Checked on the source (ast), so lazy imports inside functions count too, as do
-`importlib.import_module("hf_dspark....")` calls; and the core imports no optional dependency at module level."""
+"""Dependencies run one way: models at the bottom, then targets (the default target and `load_target`), scheduling,
+generation, evaluation (prompt sets, harness), training (which decontaminates against the evaluation sets), hub, the
+package itself, then the command line. Checked on the source (ast), so lazy imports inside functions count too, as do
+`importlib.import_module("hf_dspark....")` calls. No two modules import each other, directly or round a longer
+circle, when they are imported; and the core imports no optional dependency at module level."""
 
 import ast
 import subprocess
@@ -24,9 +26,30 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def imports_of(source: str, name: str, is_package: bool = False) -> set[str]:
+    """Every hf_dspark module `source` (the text of module `name`) imports, anywhere in it."""
+    return _imported_by(ast.walk(ast.parse(source)), name, is_package)
+
+
+def module_level_imports_of(source: str, name: str, is_package: bool = False) -> set[str]:
+    """The hf_dspark modules `source` imports when it is itself imported: every import but those inside functions,
+    which run only when the function is called."""
+    return _imported_by(_outside_functions(ast.parse(source)), name, is_package)
+
+
+def _outside_functions(tree: ast.AST):
+    """Every node of `tree` except the bodies of functions (and lambdas)."""
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        yield node
+        pending.extend(child for child in ast.iter_child_nodes(node)
+                       if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+
+def _imported_by(nodes, name: str, is_package: bool) -> set[str]:
     package = name if is_package else name.rsplit(".", 1)[0]
     found = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes:
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -46,7 +69,7 @@ def imports_of(source: str, name: str, is_package: bool = False) -> set[str]:
 
 
 def layer(module: str) -> str:
-    """`hf_dspark.models.common` -> `models`; the package itself -> `hf_dspark`; top-level modules stay themselves."""
+    """`hf_dspark.models.errors` -> `models`; the package itself -> `hf_dspark`; top-level modules stay themselves."""
     parts = module.split(".")
     return "hf_dspark" if len(parts) == 1 else parts[1]
 
@@ -55,17 +78,63 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 MODULES = {module_name(p) for p in SOURCES}
 
 
+def existing_module(target: str) -> str:
+    """`from .models import X` names a module or an attribute: the longest existing module name in `target`."""
+    while target not in MODULES and "." in target:
+        target = target.rsplit(".", 1)[0]
+    return target
+
+
 def graph() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {}
     for path in SOURCES:
         source = layer(module_name(path))
         for target in imported_modules(path):
-            # `from .models import X` names a module or an attribute: keep the longest existing module name
-            while target not in MODULES and "." in target:
-                target = target.rsplit(".", 1)[0]
+            target = existing_module(target)
             if layer(target) != source:
                 edges.setdefault(source, set()).add(layer(target))
     return edges
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports at module level (`module_level_imports_of`)."""
+    edges: dict[str, set[str]] = {}
+    for path in SOURCES:
+        source = module_name(path)
+        targets = module_level_imports_of(path.read_text(), source, path.name == "__init__.py")
+        edges[source] = {existing_module(t) for t in targets} - {source}
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one node (Tarjan's algorithm): the import circles."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
 
 
 def test_the_parser_sees_lazy_relative_and_importlib_imports():
@@ -80,10 +149,17 @@ def test_the_parser_sees_lazy_relative_and_importlib_imports():
     found = imports_of(sample, "hf_dspark.models.fake")
     assert {"hf_dspark.models.common", "hf_dspark.hub.remote_code", "hf_dspark", "hf_dspark.training.trainer"} <= found
     assert layer("hf_dspark.hub.remote_code") == "hub" and layer("hf_dspark") == "hf_dspark"
+    assert module_level_imports_of(sample, "hf_dspark.models.fake") == {"hf_dspark.models.common",
+                                                                        "hf_dspark.models.common.X"}
+
+
+def test_the_circle_finder_finds_circles_of_any_length():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 
 
 def test_models_import_nothing_above_them():
-    above = {"hub", "generation", "training", "evaluation", "cli", "scheduling", "hf_dspark"}
+    above = {"targets", "hub", "generation", "training", "evaluation", "cli", "scheduling", "hf_dspark"}
     offending = {}
     for path in (PACKAGE / "models").rglob("*.py"):
         bad = sorted(m for m in imported_modules(path) if layer(m) in above)
@@ -109,11 +185,21 @@ def test_there_are_no_package_level_cycles():
     cycles = [c for c in (cycle_from(n) for n in sorted(edges)) if c]
     assert cycles == [], " ; ".join(" -> ".join(c) for c in cycles)
     # The order the layers form (each imports only layers to its left):
-    order = ["_version", "models", "scheduling", "generation", "evaluation", "training", "hub", "hf_dspark", "cli",
-             "__main__"]
+    order = ["_version", "models", "targets", "scheduling", "generation", "evaluation", "training", "hub", "hf_dspark",
+             "cli", "__main__"]
     for source, targets in edges.items():
         for target in targets:
             assert order.index(target) < order.index(source), f"{source} imports {target}"
+
+
+def test_there_are_no_module_level_import_circles():
+    """No module imports, when it is imported, a module that imports it back, directly or round a longer circle:
+    such a circle works or fails by which module a user happens to import first. Counted: every import outside a
+    function body (a module's top level, its `if`/`try` blocks and class bodies), including relative imports,
+    `from package import name` (an edge to the package's `__init__`) and `importlib.import_module` calls.
+    Imports inside functions run only when called, so they are left out here (the layer tests above count them)."""
+    found = circles(module_graph())
+    assert found == [], " ; ".join(" <-> ".join(group) for group in found)
 
 
 @pytest.mark.parametrize("optional", ["accelerate", "peft", "matplotlib"])

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModel, LlamaConfig, Qwen3Config
 
 import hf_dspark
 from hf_dspark import DrafterTargetMismatchError, DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig
+from hf_dspark.generation import DraftingPlan
 from conftest import prompts, tiny_drafter, tiny_target
 
 
@@ -134,9 +135,10 @@ def test_save_and_auto_load_round_trip(tmp_path, kind):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target, kind)
     drafter.save_pretrained(tmp_path)
-    # Weights in one safetensors file; the modeling code and custom_generate/ serve stock transformers (test_hub).
-    assert {p for p in os.listdir(tmp_path) if not p.endswith(".py")} == {"config.json", "model.safetensors",
-                                                                          "custom_generate"}
+    # Weights in one safetensors file; the modeling code and custom_generate/ serve stock transformers (test_hub);
+    # generation_config.json holds the drafting defaults.
+    assert {p for p in os.listdir(tmp_path) if not p.endswith(".py")} == {"config.json", "generation_config.json",
+                                                                          "model.safetensors", "custom_generate"}
     stored = load_file(tmp_path / "model.safetensors")
     assert not any("embed_tokens" in k or "lm_head" in k for k in stored)  # shared with the target, not stored
     config = AutoConfig.from_pretrained(tmp_path)
@@ -353,26 +355,35 @@ def test_shipped_checkpoints_carry_every_required_field_and_load(kind):
         assert config[field] is not None and getattr(drafter.config, field) == config[field]
 
 
-def test_num_draft_tokens_follows_one_rule(tmp_path):
+def test_num_assistant_tokens_follows_one_rule(tmp_path, monkeypatch):
     """More drafts than block_size crashed at batch 1 and were clamped silently in a batch, and 0 meant block_size:
-    both paths now refuse anything outside 1..block_size when it is set."""
+    both paths now refuse anything outside 1..block_size, before any token, whether the drafter's default or the
+    call sets it."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "markov", block_size=4)
-    for bad in (0, -1, 5, 2.5, True):
-        with pytest.raises(ValueError, match=r"num_draft_tokens must be an int from 1 to the drafter's 4 draft slots"):
-            drafter.num_draft_tokens = bad
-    assert drafter.num_draft_tokens is None and drafter.draft_length() == 4
     ids = prompts(1, length=6)[0]
+    message = r"num_assistant_tokens must be an int from 1 to the drafter's 4 draft slots"
+    with monkeypatch.context() as patched:
+        patched.setattr(type(target), "forward", lambda *a, **k: pytest.fail("a forward ran"))
+        for bad in (0, -1, 5, 2.5, True):
+            with pytest.raises(ValueError, match=message):
+                target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12,
+                                num_assistant_tokens=bad)
+            drafter.generation_config.num_assistant_tokens = bad
+            with pytest.raises(ValueError, match=message):
+                target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12)
+            drafter.generation_config.num_assistant_tokens = None
+    assert drafter.generation_config.num_assistant_tokens is None and DraftingPlan.for_call(drafter).draft_length == 4
     expected = target.generate(ids, do_sample=False, max_new_tokens=12)
     for length in (1, 4):
-        drafter.num_draft_tokens = length
-        assert drafter.draft_length() == length
+        drafter.generation_config.num_assistant_tokens = length
+        assert DraftingPlan.for_call(drafter).draft_length == length
         out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12)
         assert torch.equal(out, expected)
         assert max(drafter.last_generation_stats.draft_lengths) <= length
     drafter.config.block_size = 2  # a length that stopped fitting is refused on use too, not clamped
     with pytest.raises(ValueError, match="2 draft slots"):
-        drafter.draft_length()
+        DraftingPlan.for_call(drafter)
     eagle = tiny_drafter(target, "eagle3", block_size=3)
     with pytest.raises(ValueError, match="3 draft slots"):
-        eagle.num_draft_tokens = 4
+        target.generate(ids, assistant_model=eagle, do_sample=False, max_new_tokens=12, num_assistant_tokens=4)

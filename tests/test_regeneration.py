@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_dspark.models.default_target import load_default_target
+from hf_dspark.targets.default_target import load_default_target
 from hf_dspark.training import RegenerationConfig, iter_regenerated, regenerate
 from hf_dspark.training.regenerate import chat_prompt_ids, is_sampled
 
@@ -142,3 +142,34 @@ def test_gzipped_shards_are_read_and_resumed_after(tmp_path, tokenizer):
     names = sorted(p.name for p in tmp_path.glob("shard-*"))
     assert names == ["shard-00000.jsonl.gz", "shard-00001.jsonl.gz", "shard-00002.jsonl"]
     assert len(list(iter_regenerated(tmp_path))) == 5
+
+
+def test_sampled_answers_follow_the_warpers_and_their_own_seed(tmp_path, tokenizer):
+    """A sampled conversation draws from temperature, top-k and top-p (generate's warpers, in generate's order)
+    with a generator seeded from its id: its answer is the same whatever batch it shares, and another seed draws
+    another one."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    target = tiny_chat_target(tokenizer)
+    prompts = [f"Tell me about the number {i}." for i in range(6)]
+
+    def run(name, **settings):
+        config = RegenerationConfig(max_new_tokens=8, **settings)
+        regenerate(target, tokenizer, prompts, tmp_path / name, config, progress=False)
+        return {record["id"]: record for record in _records(tmp_path / name)}
+
+    alone, shared = run("alone", greedy_fraction=0.5, batch_size=1), run("shared", greedy_fraction=0.5, batch_size=4)
+    assert {i for i, r in alone.items() if r["sampled"]} and {i for i, r in alone.items() if not r["sampled"]}
+    assert all(alone[i]["input_ids"] == shared[i]["input_ids"] for i in alone)
+    first, second = run("seed-0", greedy_fraction=0.0, seed=0), run("seed-1", greedy_fraction=0.0, seed=1)
+    assert all(first[i]["input_ids"] != second[i]["input_ids"] for i in first)
+
+    config = RegenerationConfig()
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(config.temperature), TopKLogitsWarper(config.top_k),
+                                   TopPLogitsWarper(config.top_p)])
+    for record in first.values():
+        (start, end), = record["answer_spans"]
+        ids = torch.tensor([record["input_ids"]])
+        with torch.no_grad():
+            allowed = warpers(ids, target(ids).logits[0, start - 1 : end - 1]).isfinite()
+        assert all(allowed[position, token] for position, token in enumerate(record["input_ids"][start:end]))

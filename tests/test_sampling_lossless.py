@@ -13,7 +13,7 @@ import torch
 from hf_dspark.scheduling import VerificationCostTable
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from hf_dspark import rejection_sample
+from hf_dspark import DraftingState, rejection_sample
 from conftest import tiny_drafter, tiny_target
 
 
@@ -128,14 +128,16 @@ def test_generate_sampling_matches_target_distribution(kind, device):
     if kind.endswith("scheduled"):
         # The first slot is drafted only when its predicted survival is at least 0.515, a choice that differs
         # between anchors: the length varies with c_1 and must not bias what is emitted.
-        drafter.verification_costs = VerificationCostTable([1.0, 1.515])
-        drafter.round_planning = False  # this checks the confidence schedule's length, drafted every round
+        drafter.generation_config.dspark_cost_table = VerificationCostTable([1.0, 1.515])
+        # This checks the confidence schedule's length, drafted every round.
+        drafter.generation_config.dspark_round_planning = False
     # Suffix drafting: with drafting priced far above a verification forward, x2 is drafted by a one-hot suffix
     # proposal whenever x1 occurred in the prompt, and otherwise not drafted at all (a plain step).
-    drafter.suffix_drafting = kind.endswith("suffix")
-    if drafter.suffix_drafting:
-        drafter.verification_costs = VerificationCostTable([1.0, 1.0], draft_seconds=5.0)
-        drafter.learn_round_costs = False  # the table is the truth here, not what the tiny models cost
+    drafter.generation_config.dspark_suffix_drafting = kind.endswith("suffix")
+    if kind.endswith("suffix"):
+        drafter.generation_config.dspark_cost_table = VerificationCostTable([1.0, 1.0], draft_seconds=5.0)
+        drafter.generation_config.dspark_learn_round_costs = False  # the table is the truth, not the tiny models' cost
+    state = DraftingState()  # what rounds learn carries across the samples
     ids = torch.tensor([[1, 4, 2, 5]], device=device)
     temperature, top_p = 0.7, 0.9
     joint = exact_three_token_distribution(target, ids, temperature, top_p)
@@ -150,7 +152,7 @@ def test_generate_sampling_matches_target_distribution(kind, device):
         # x1 comes from the prefill; x2 is a drafted slot (accepted or resampled); x3 a correction or bonus.
         out = target.generate(
             ids, assistant_model=drafter, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-            max_new_tokens=3,
+            max_new_tokens=3, dspark_state=state,
         )
         x1, x2, x3 = out[0, -3:].tolist()
         counts[x1, x2, x3] += 1

@@ -6,7 +6,7 @@ config names (a drafter read the other way would silently reach tau ~ 1)."""
 import pytest
 import torch
 
-from hf_dspark.generation import batched_speculative_generate
+from hf_dspark.generation import DraftingPlan, batched_speculative_generate
 from hf_dspark.training import build_blocks
 from conftest import prompts, tiny_drafter, tiny_target
 from test_batched import left_pad
@@ -18,7 +18,7 @@ KINDS = ["markov", "gated", "rnn", "dflash"]
 def test_slot_zero_unused_drafters_match_plain_greedy(family, kind):
     target = tiny_target(family)
     drafter = tiny_drafter(target, kind, block_size=4, sample_from_anchor=False)
-    assert drafter.config.num_draft_slots == 3 and drafter.draft_length() == 3
+    assert drafter.config.num_draft_slots == 3 and DraftingPlan.for_call(drafter).draft_length == 3
     for ids in prompts(3):
         expected = target.generate(ids, do_sample=False, max_new_tokens=20)
         assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=20),
@@ -69,7 +69,7 @@ def test_the_drafting_core_reads_the_slots_its_convention_names(sample_from_anch
     wrong = tiny_drafter(target, "dflash", block_size=4, sample_from_anchor=not sample_from_anchor)
     for drafter in (right, wrong):
         _oracle_forward(drafter, reference, laid_out_from)
-        drafter.round_planning = False
+        drafter.generation_config.dspark_round_planning = False
         out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=24)
         assert torch.equal(out, reference[:, : ids.shape[1] + 24])  # lossless either way
     slots = right.config.num_draft_slots

@@ -5,7 +5,8 @@ import torch
 
 from hf_dspark.generation.suffix import SuffixIndex
 from hf_dspark.scheduling import VerificationCostTable
-from hf_dspark.scheduling.draft_length import ProposalStatistics, RoundPlanner, SuffixAcceptance
+from hf_dspark import DraftingState
+from hf_dspark.scheduling.round_planner import ProposalStatistics, RoundPlanner, SuffixAcceptance
 from conftest import prompts, tiny_drafter, tiny_target
 
 KINDS = ["markov", "dflash", "eagle3"]
@@ -70,15 +71,16 @@ def test_planner_prices_plain_steps_suffix_proposals_and_the_drafter():
 def test_suffix_drafting_and_planning_match_plain_greedy(kind, costs):
     target = looping_target()
     drafter = tiny_drafter(target, kind, block_size=5)
-    drafter.suffix_drafting = True
+    drafter.generation_config.dspark_suffix_drafting = True
     if costs is not None:
-        drafter.verification_costs = VerificationCostTable(costs, draft_seconds=0.2)
-        drafter.learn_round_costs = False  # the table is the truth here, not what the tiny models cost
+        drafter.generation_config.dspark_cost_table = VerificationCostTable(costs, draft_seconds=0.2)
+        drafter.generation_config.dspark_learn_round_costs = False  # the table is the truth, not the tiny models' cost
     sources, drafter_calls = [], []
+    state = DraftingState()  # the planner learns over all four prompts
     hook = drafter.register_forward_hook(lambda *args: drafter_calls.append(1))
     for ids in prompts(4):
         expected = target.generate(ids, do_sample=False, max_new_tokens=24)
-        actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=24)
+        actual = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=24, dspark_state=state)
         assert torch.equal(actual, expected)
         stats = drafter.last_generation_stats
         sources += stats.sources
@@ -97,7 +99,7 @@ def test_suffix_drafting_and_planning_match_plain_greedy(kind, costs):
 def test_suffix_drafting_off_measures_the_drafter_alone():
     target = looping_target("qwen3")
     drafter = tiny_drafter(target, "markov", block_size=4)
-    drafter.suffix_drafting = False
+    drafter.generation_config.dspark_suffix_drafting = False
     for ids in prompts(3):
         expected = target.generate(ids, do_sample=False, max_new_tokens=16)
         assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16), expected)
@@ -112,8 +114,8 @@ def test_shipped_style_configs_turn_suffix_drafting_on(tmp_path):
     import hf_dspark
 
     loaded = hf_dspark.DSparkDraftModel.from_pretrained(tmp_path)
-    assert loaded.suffix_drafting is True
-    assert tiny_drafter(target, "eagle3").suffix_drafting is False
+    assert loaded.generation_config.dspark_suffix_drafting is True
+    assert tiny_drafter(target, "eagle3").generation_config.dspark_suffix_drafting is False
 
 
 def test_planner_prices_rounds_with_the_costs_measured_in_the_loop():
@@ -162,19 +164,19 @@ def test_a_drafter_slower_than_its_table_says_is_skipped_and_output_stays_exact(
     sources = {}
     for learn in (False, True):
         drafter = tiny_drafter(target, "markov", block_size=4)
-        drafter.suffix_drafting = False
-        drafter.verification_costs = VerificationCostTable([1e-3] * 5, draft_seconds=0.0)
-        drafter.learn_round_costs = learn
+        drafter.generation_config.update(dspark_suffix_drafting=False, dspark_learn_round_costs=learn,
+                                         dspark_cost_table=VerificationCostTable([1e-3] * 5, draft_seconds=0.0))
+        state = DraftingState()  # measured costs carry from the first prompt to the second
         hook = drafter.register_forward_hook(lambda *args: time.sleep(0.04))
         sources[learn] = []
         for ids in prompts(2):
             expected = target.generate(ids, do_sample=False, max_new_tokens=32)
-            assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=32),
-                               expected)
+            assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=32,
+                                               dspark_state=state), expected)
             sources[learn] += drafter.last_generation_stats.sources
         hook.remove()
         if learn:
-            measured = drafter.proposal_statistics
+            measured = state.statistics
             assert measured.draft_seconds >= 0.04 and set(measured.forward_seconds) <= set(range(1, 6))
     assert sources[False].count("drafter") > 0.8 * len(sources[False])
     assert sources[True].count("drafter") < 0.3 * len(sources[True])

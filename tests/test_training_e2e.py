@@ -346,7 +346,7 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_the_rerun_resumes(
     from transformers import AutoTokenizer, Trainer
 
     from hf_dspark.cli.main import main
-    from hf_dspark.models.default_target import default_target_dir, load_default_target
+    from hf_dspark.targets.default_target import default_target_dir, load_default_target
     from hf_dspark.training.checkpoints import checkpoint_problem
 
     if not (default_target_dir() / "tokenizer.json").is_file():

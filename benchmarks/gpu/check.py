@@ -166,11 +166,9 @@ def build_drafter(target, name: str, profile: Profile, dtype: torch.dtype):
     torch.manual_seed(1)
     with torch.device(profile.device), default_dtype(dtype):
         drafter = hf_dspark.DSparkDraftModel(drafter_config(target, name))
-    drafter.round_planning = False
-    drafter.suffix_drafting = False
-    drafter.verification_costs = None
-    drafter.confidence_threshold = None
-    drafter.verification_policy = "all"
+    drafter.generation_config.update(dspark_round_planning=False, dspark_suffix_drafting=False,
+                                     dspark_cost_table=None, assistant_confidence_threshold=None,
+                                     dspark_verification_policy="all")
     return drafter
 
 
@@ -630,11 +628,11 @@ def measure_one_setting(target, drafter, ids, spec_kwargs, acceptance, rows, new
         with PhaseTimer(target, drafter) as clock:
             oracle.clock = clock
             clock.new_call()
-            drafter.time_phases = True  # the loop's own phase clocks (batch 1), synchronised on the GPU too
+            drafter.generation_config.dspark_time_phases = True  # the loop's own phase clocks (batch 1), synchronised on the GPU too
             try:
                 out, wall = timed(device, lambda: target.generate(ids, **spec_kwargs))
             finally:
-                drafter.time_phases = None  # back to the default: off on accelerators, on on the CPU
+                drafter.generation_config.dspark_time_phases = None  # back to the default: off on accelerators, on on the CPU
         oracle.clock = None
     forced = oracle.counts()
     if out.shape[1] != ids.shape[1] + new_tokens:

@@ -134,7 +134,7 @@ def to_gguf(tree: Path, source: Path, out: Path, target_dir: Path | None, log: P
 
 def prepare_models(cache: Path, tree: Path) -> tuple[dict, dict]:
     """({label: GGUF path}, {drafter: why llama.cpp refused its export})."""
-    from hf_dspark.models.default_target import _gguf_path, default_target_dir, load_default_target
+    from hf_dspark.targets.default_target import _gguf_path, default_target_dir, load_default_target
     from hf_dspark.models.loading import shipped_drafter_path
 
     load_default_target()  # writes the dequantized target folder on first use
@@ -275,7 +275,7 @@ def hf_dspark_methods(args) -> dict:
     """{method: generate(ids)}: plain `generate` and each shipped drafter alone (float32 target, as llama.cpp's F32)."""
     import torch
 
-    from hf_dspark.models.default_target import load_default_target
+    from hf_dspark.targets.default_target import load_default_target
     from hf_dspark.models.loading import load_drafter, shipped_drafter_path
 
     torch.set_num_threads(args.threads)
@@ -300,8 +300,8 @@ def hf_dspark_methods(args) -> dict:
     for kind in DRAFTERS:
         drafter = load_drafter(shipped_drafter_path(kind), torch.float32)
         drafter.attach_target(target, follow=True)
-        drafter.suffix_drafting = False  # the drafter alone, as llama.cpp runs it
-        drafter.round_planning = False  # every round drafts (no plain steps chosen by the planner)
+        drafter.generation_config.dspark_suffix_drafting = False  # the drafter alone, as llama.cpp runs it
+        drafter.generation_config.dspark_round_planning = False  # every round drafts (no plain steps chosen)
         methods[f"hf_dspark {kind}"] = functools.partial(generate, drafter=drafter)
     return methods
 
@@ -421,7 +421,7 @@ def main() -> int:
     binaries = build(cache, args.jobs)
     if args.build_only:
         return 0
-    from hf_dspark.models.default_target import load_default_target
+    from hf_dspark.targets.default_target import load_default_target
 
     ggufs, refused = prepare_models(cache, source_tree(cache))
     _, tokenizer = load_default_target()

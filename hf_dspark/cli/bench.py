@@ -15,8 +15,9 @@ import torch
 def cmd_bench(args) -> int:
     from hf_dspark.cli.generate import load_drafters
     from hf_dspark.evaluation.speed import held_out_prompts, markdown_table, run_speed_benchmark
-    from hf_dspark.models.common import UserInputError
-    from hf_dspark.models.loading import load_target, shipped_drafter_path
+    from hf_dspark.models.errors import UserInputError
+    from hf_dspark.models.loading import shipped_drafter_path
+    from hf_dspark.targets.loading import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -31,7 +31,8 @@ def cmd_eval(args) -> int:
     from hf_dspark.evaluation import OutputMismatchError, SettingsMismatchError, evaluate
     from hf_dspark.evaluation.harness import DEFAULT_TARGET_NAME, location
     from hf_dspark.evaluation.prompts import load_prompt_sets
-    from hf_dspark.models.loading import load_target, shipped_drafter_path
+    from hf_dspark.models.loading import shipped_drafter_path
+    from hf_dspark.targets.loading import load_target
     from hf_dspark.training.output_folder import check_writable
 
     if args.threads:

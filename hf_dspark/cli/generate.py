@@ -9,8 +9,9 @@ import torch
 from transformers import TextStreamer
 
 from hf_dspark.evaluation.prompts import chat_input_ids
-from hf_dspark.models.common import UserInputError
+from hf_dspark.models.errors import UserInputError
 from hf_dspark.models.loading import AUTO_DEVICE, load_drafter, shipped_drafter_path
+from hf_dspark.scheduling.round_planner import DraftingState
 
 DEVICE_HELP = "where the models run: auto (default: the GPU if there is one, else the CPU), cpu, cuda, cuda:1, mps"
 
@@ -22,7 +23,7 @@ def add_device_argument(parser) -> None:
 
 def cost_table_for(target, drafter, target_name: str):
     """Profile (once, cached on disk) what verifying 1..gamma+1 tokens costs here, for the throughput schedule."""
-    from hf_dspark.models.default_target import cache_root
+    from hf_dspark.targets.default_target import cache_root
     from hf_dspark.scheduling import VerificationCostTable, profile_verification_costs
     from hf_dspark.scheduling.cost_table import TIMING, CostTableError
 
@@ -55,7 +56,7 @@ def load_drafters(named: dict[str, str], target, schedule: bool, target_name: st
         drafter = load_drafter(path, target.dtype)
         drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
         if suffix_drafting is not None:  # None keeps the checkpoint's own setting
-            drafter.suffix_drafting = suffix_drafting
+            drafter.generation_config.dspark_suffix_drafting = suffix_drafting
         return drafter
 
     drafters = {}
@@ -64,7 +65,7 @@ def load_drafters(named: dict[str, str], target, schedule: bool, target_name: st
         if schedule:
             drafters[f"{label}+suffix"] = loaded(path, suffix_drafting=True)
             scheduled = loaded(path, suffix_drafting=None)
-            scheduled.verification_costs = cost_table_for(target, scheduled, target_name)
+            scheduled.generation_config.dspark_cost_table = cost_table_for(target, scheduled, target_name)
             drafters[f"{label}+schedule"] = scheduled
     return drafters
 
@@ -80,9 +81,12 @@ def check_utf8(text: str, what: str) -> None:
             "pass it as UTF-8 (check the terminal's or script's encoding, e.g. LANG=C.UTF-8).") from None
 
 
-def generate_once(target, tokenizer, drafter, input_ids, args, stream: bool = True):
-    """(new token ids, seconds) of one speculative (drafter given) or plain (drafter None) generation."""
+def generate_once(target, tokenizer, drafter, input_ids, args, stream: bool = True, state=None):
+    """(new token ids, seconds) of one speculative (drafter given) or plain (drafter None) generation; `state` is
+    the `DraftingState` the session's rounds learn into."""
     sampling = {"do_sample": args.temperature > 0}
+    if drafter is not None and state is not None:
+        sampling["dspark_state"] = state
     if args.temperature > 0:
         sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=0)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
@@ -93,7 +97,8 @@ def generate_once(target, tokenizer, drafter, input_ids, args, stream: bool = Tr
 
 
 def cmd_generate(args) -> int:
-    from hf_dspark.models.loading import DTYPES, load_target
+    from hf_dspark.models.loading import DTYPES
+    from hf_dspark.targets.loading import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -119,9 +124,11 @@ def cmd_generate(args) -> int:
     drafter = load_drafter(args.drafter or shipped_drafter_path(), dtype)
     drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
     if args.no_suffix:
-        drafter.suffix_drafting = False
+        drafter.generation_config.dspark_suffix_drafting = False
     if not args.no_schedule:
-        drafter.verification_costs = costs or cost_table_for(target, drafter, args.target or "smollm2-135m-instruct")
+        drafter.generation_config.dspark_cost_table = costs or cost_table_for(target, drafter,
+                                                                              args.target or "smollm2-135m-instruct")
+    state = DraftingState()  # what rounds learn carries over from turn to turn of the session
 
     messages: list[dict] = []
     prompt = args.prompt
@@ -141,9 +148,10 @@ def cmd_generate(args) -> int:
         if args.compare and not messages[:-1]:
             # Pay one-time costs (first forwards, kernel choices, the draft head) outside both timed runs.
             for model in (drafter, None):
+                learning = {"dspark_state": state} if model is not None else {}
                 target.generate(input_ids[:, :8], assistant_model=model, max_new_tokens=4,
-                                pad_token_id=tokenizer.eos_token_id, do_sample=False)
-        tokens, seconds = generate_once(target, tokenizer, drafter, input_ids, args)
+                                pad_token_id=tokenizer.eos_token_id, do_sample=False, **learning)
+        tokens, seconds = generate_once(target, tokenizer, drafter, input_ids, args, state=state)
         stats = drafter.last_generation_stats
         rounds = ", ".join(f"{stats.count(source)} {label}" for source, label in
                            (("drafter", "drafter"), ("suffix", "suffix"), ("none", "plain")) if stats.count(source))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def cmd_push(args) -> int:
     from hf_dspark.hub.push import push_drafter, read_eval_results, stage_drafter
-    from hf_dspark.models.common import UserInputError
+    from hf_dspark.models.errors import UserInputError
     from hf_dspark.models.loading import load_drafter
     from hf_dspark.training.output_folder import check_writable
 

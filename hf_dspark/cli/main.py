@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from hf_dspark.cli.generate import add_device_argument
-from hf_dspark.models.common import UserInputError
-from hf_dspark.models.loading import DTYPES, load_target, resolve_device
+from hf_dspark.models.errors import UserInputError
+from hf_dspark.models.loading import DTYPES, resolve_device
+from hf_dspark.targets.loading import load_target
 
 
 def cmd_regenerate(args) -> int:
@@ -153,10 +154,8 @@ def _add_data_arguments(parser, output_help: str) -> None:
                              "labelled by the target's distribution)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_regenerate_parser(sub) -> None:
+    """`hf-dspark regenerate`: the target answers training prompts."""
     regen = sub.add_parser("regenerate", help="let the target answer training prompts (resumable JSONL shards)")
     regen.add_argument("--prompts", nargs="+", default=["sharegpt"],
                        help="JSON/JSONL prompt files, or 'sharegpt' for the offline ShareGPT wheel")
@@ -183,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--cache-max-length", type=int, default=768)
     regen.set_defaults(func=cmd_regenerate)
 
+
+def _add_cache_parser(sub) -> None:
+    """`hf-dspark cache`: the target's features over the training data, stored once."""
     cache = sub.add_parser("cache", help="run the target once over the training data and store what training "
                                          "needs (bf16, resumable), so epochs never rerun the target")
     _add_data_arguments(cache, "cache folder (resumes if it already holds shards)")
@@ -193,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--threads", type=int, default=None)
     cache.set_defaults(func=cmd_cache)
 
+
+def _add_train_parser(sub) -> None:
+    """`hf-dspark train`: distil a drafter against a frozen target."""
     train = sub.add_parser("train", help="distil a drafter against a frozen target (resumes from checkpoints)")
     train.add_argument("--kind", default="dspark", choices=["dspark", "gated", "rnn", "dflash", "eagle3"])
     _add_data_arguments(train, "folder for the drafter (and trainer checkpoints)")
@@ -235,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-resume", action="store_true")
     train.add_argument("--init-from", help="start from this trained drafter folder (its config wins) under a new budget")
     train.set_defaults(func=cmd_train)
+
+
+def _add_profile_parser(sub) -> None:
+    """`hf-dspark profile`: the target's verification cost table on this hardware."""
     profile = sub.add_parser("profile", help="measure SPS(B), the target's verification cost at B tokens, (and the "
                                              "drafter's round) on this hardware and write a cost table")
     profile.add_argument("--output", required=True, help="cost table JSON to write")
@@ -250,6 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--repeats", type=int, default=5)
     profile.add_argument("--threads", type=int, default=None)
     profile.set_defaults(func=cmd_profile)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    # Subcommand order is the order `hf-dspark --help` lists them in.
+    _add_regenerate_parser(sub)
+    _add_cache_parser(sub)
+    _add_train_parser(sub)
+    _add_profile_parser(sub)
 
     from hf_dspark.cli.bench import add_parser as add_bench
     from hf_dspark.cli.eval import add_parser as add_eval

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..generation.stats import SpeculativeStats
+from ..scheduling.round_planner import DraftingState
 from .prompts import EvalPrompt, chat_input_ids, load_prompt_sets
 from .speed import PLAIN
 
@@ -137,12 +138,12 @@ def model_identity(model, path: str | Path | None = None) -> str:
     """How settings name a model: its path, plus any drafting option that changes the draft length."""
     name = path if path is not None else getattr(model, "name_or_path", "")
     name = location(name) if name else type(model).__name__
-    options = []
-    if getattr(model, "num_draft_tokens", None):
-        options.append(f"draft_length={model.num_draft_tokens}")
-    if getattr(model, "confidence_threshold", None) is not None:
-        options.append(f"threshold={model.confidence_threshold}")
-    if getattr(model, "verification_costs", None) is not None:
+    options, defaults = [], getattr(model, "generation_config", None)
+    if getattr(defaults, "num_assistant_tokens", None):
+        options.append(f"draft_length={defaults.num_assistant_tokens}")
+    if getattr(defaults, "assistant_confidence_threshold", None) is not None:
+        options.append(f"threshold={defaults.assistant_confidence_threshold}")
+    if getattr(defaults, "dspark_cost_table", None) is not None:
         options.append("throughput-schedule")
     return name + (f" ({', '.join(options)})" if options else "")
 
@@ -153,9 +154,10 @@ def prompt_seed(seed: int, prompt: EvalPrompt, turn: int) -> int:
 
 
 def generate_record(target, tokenizer, drafter, method: str, prompt: EvalPrompt, settings: EvalSettings,
-                    max_new_tokens: int | None = None) -> dict:
+                    max_new_tokens: int | None = None, state: DraftingState | None = None) -> dict:
     """Answer the prompt (first turn, or every turn fed with this method's own earlier answers) and describe it as
-    a record: per turn the new token ids, text and seconds; for a drafter, its round statistics."""
+    a record: per turn the new token ids, text and seconds; for a drafter, its round statistics. `state` is what the
+    method's rounds learnt so far (a drafter's `DraftingState`, shared by its prompts)."""
     sampling = {"do_sample": False} if settings.greedy else {
         "do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": 0}
     turns = prompt.turns if settings.multi_turn else prompt.turns[:1]
@@ -166,8 +168,9 @@ def generate_record(target, tokenizer, drafter, method: str, prompt: EvalPrompt,
         input_ids = chat_input_ids(tokenizer, messages).to(device)
         torch.manual_seed(prompt_seed(settings.seed, prompt, turn))
         start = time.perf_counter()
+        learning = {"dspark_state": state} if drafter is not None and state is not None else {}
         out = target.generate(input_ids, assistant_model=drafter, pad_token_id=tokenizer.eos_token_id,
-                              max_new_tokens=max_new_tokens or settings.max_new_tokens, **sampling)
+                              max_new_tokens=max_new_tokens or settings.max_new_tokens, **sampling, **learning)
         seconds = time.perf_counter() - start
         new = out[0, input_ids.shape[1]:].tolist()
         text = tokenizer.decode(new, skip_special_tokens=True)
@@ -218,16 +221,19 @@ def run_records(target, tokenizer, drafters: dict, prompts: list[EvalPrompt], st
     pending = [p for p in prompts if any(store.get(m, p) is None for m in methods)]
     if not pending:
         return 0
+    # What each drafter's rounds learn carries over from prompt to prompt, as it would in a serving process.
+    states = {method: DraftingState() for method in drafters}
     # Untimed warm-up per method, so one-off costs (allocations, kernel selection) land on no method's clock.
     for method, drafter in methods.items():
-        generate_record(target, tokenizer, drafter, method, pending[0], settings, max_new_tokens=4)
+        generate_record(target, tokenizer, drafter, method, pending[0], settings, max_new_tokens=4,
+                        state=states.get(method))
     made, running = 0, {label: SpeculativeStats() for label in drafters}
     bar = tqdm(pending, desc="eval", unit="prompt", disable=not progress, file=sys.stderr)
     for prompt in bar:
         for method, drafter in methods.items():
             if store.get(method, prompt) is not None:
                 continue
-            record = generate_record(target, tokenizer, drafter, method, prompt, settings)
+            record = generate_record(target, tokenizer, drafter, method, prompt, settings, state=states.get(method))
             if drafter is not None:
                 if settings.greedy:
                     record["identical"] = check_identical(record, store.get(PLAIN, prompt), store.folder,
@@ -264,7 +270,8 @@ def evaluate(benchmarks=("gsm8k", "humaneval", "mt-bench"), *, output_dir: str |
     Rerunning with the same settings resumes; other settings in the same folder raise `SettingsMismatchError`.
     Greedy outputs that differ from plain greedy raise `OutputMismatchError` unless `allow_mismatch`.
     """
-    from ..models.loading import load_drafter, load_target
+    from ..models.loading import load_drafter
+    from ..targets.loading import load_target
     from .report import write_report
     from .summary import summarize
 

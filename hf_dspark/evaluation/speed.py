@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation.stats import SpeculativeStats
+from ..scheduling.round_planner import DraftingState
 from .metrics import acceptance_summary
 from .prompts import chat_input_ids, load_prompt_sets
 
@@ -66,6 +67,7 @@ def run_speed_benchmark(target, tokenizer, drafters: dict, prompts: list[tuple[s
     """`drafters` maps a label to a loaded drafter. Returns {method: summary} with plain and prompt lookup first."""
     methods = [PLAIN, PROMPT_LOOKUP, *drafters]
     results = {m: MethodResult() for m in methods}
+    states = {label: DraftingState() for label in drafters}  # each drafter learns across the prompts
     sampling = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature,
                                                                 "top_p": 1.0, "top_k": 0}
     for index, (benchmark, prompt) in enumerate(prompts):
@@ -77,6 +79,7 @@ def run_speed_benchmark(target, tokenizer, drafters: dict, prompts: list[tuple[s
                 kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
             elif method != PLAIN:
                 kwargs["assistant_model"] = drafters[method]
+                kwargs["dspark_state"] = states[method]
             torch.manual_seed(seed + index)
             start = time.perf_counter()
             out = target.generate(input_ids, **kwargs)

@@ -6,7 +6,9 @@ newest token and drafts, padded to the longest row), and a per-row validity mask
 Rejected drafts and padding stay in the caches, masked out of every later attention. Positions are explicit per
 row (a row's next position is the number of its valid entries), so a hole never shifts a row's rotary phase.
 `BatchRows.select` keeps a subset of rows (requests that finished leave), `merge` appends newly admitted rows, each
-cache padded with holes to the wider of the two, and `drop_unused_columns` prunes columns no row uses.
+cache padded with holes to the wider of the two, and `drop_unused_columns` prunes columns no row uses. The target
+cache's layers are reached through `transformers_internals` only (a layer keeps its entries in a buffer with spare
+columns there, and each of these operations copies a layer once).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from ..models.common import DraftContextCache
+from ..models.layers import DraftContextCache
+from .transformers_internals import layer_tensors, row_entries, select_layer_entries, stack_layer_rows
 
 
 def to_device(values: list[int], device, dtype=torch.long) -> torch.Tensor:
@@ -82,30 +85,39 @@ class BatchRows:
     def __len__(self) -> int:
         return self.request.shape[0]
 
-    def select(self, keep: list[int]) -> None:
-        """Keep the rows at host indices `keep` (holes and columns stay: `drop_unused_columns` prunes them)."""
+    def select(self, keep: list[int], drop_unused_columns: bool = True) -> None:
+        """Keep the rows at host indices `keep`; by default also drop the columns no kept row uses (one host read),
+        the target cache copied once for both."""
         self.request_ids = [self.request_ids[i] for i in keep]
         index = to_device(keep, self.anchor.device)
         for name in self._PER_ROW:
             setattr(self, name, getattr(self, name).index_select(0, index))
-        self.target_cache.batch_select_indices(index)
         cache = self.draft_cache
         cache.keys = [None if k is None else k.index_select(0, index) for k in cache.keys]
         cache.values = [None if v is None else v.index_select(0, index) for v in cache.values]
+        target_columns = self._drop_unused_columns() if drop_unused_columns else None
+        for layer in self.target_cache.layers:
+            select_layer_entries(layer, index, target_columns)
 
     def drop_unused_columns(self) -> None:
         """Remove cache and queued-context columns that are holes in every remaining row (e.g. a retired long
-        prompt), so a continuously fed batch does not keep the widths of requests long gone. One host read for
-        the three column families; the engine calls it when rows join, which reads the device anyway."""
+        prompt), so a continuously fed batch does not keep the widths of requests long gone."""
+        columns = self._drop_unused_columns()
+        if columns is not None:
+            for layer in self.target_cache.layers:
+                select_layer_entries(layer, None, columns)
+
+    def _drop_unused_columns(self) -> list[int] | None:
+        """`drop_unused_columns` but for the target cache's layers: returns the target columns to keep (None: all).
+        One host read for the three column families; the engine calls it when rows join or leave, which reads the
+        device anyway."""
         families = (self.target_valid, self.draft_valid, self.pending_valid)
         used = torch.cat([valid.any(dim=0) for valid in families]).tolist()
         target_used, rest = used[: families[0].shape[1]], used[families[0].shape[1] :]
         draft_used, pending_used = rest[: families[1].shape[1]], rest[families[1].shape[1] :]
-        columns = _columns(target_used, self.anchor.device)
-        if columns is not None:
-            self.target_valid = self.target_valid[:, columns]
-            for layer in self.target_cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
+        target_columns = None if all(target_used) else [i for i, u in enumerate(target_used) if u]
+        if target_columns is not None:
+            self.target_valid = self.target_valid[:, to_device(target_columns, self.anchor.device)]
         columns = _columns(draft_used, self.anchor.device)
         if columns is not None:
             self.draft_valid = self.draft_valid[:, columns]
@@ -116,6 +128,7 @@ class BatchRows:
         if columns is not None:
             self.pending, self.pending_valid = self.pending[:, columns], self.pending_valid[:, columns]
             self.pending_positions = self.pending_positions[:, columns]
+        return target_columns
 
     def merge(self, other: "BatchRows") -> None:
         """Append `other`'s rows. Each column family (target cache, drafter cache, queued context) is padded with
@@ -128,13 +141,18 @@ class BatchRows:
         for name in ("target_valid", "draft_valid", "pending_valid", "pending_positions", "pending"):
             setattr(self, name, _cat_rows(getattr(self, name), getattr(other, name), dim=1))
         for mine, theirs in zip(self.target_cache.layers, other.target_cache.layers):
-            mine.keys = _cat_rows(mine.keys, theirs.keys, dim=2)
-            mine.values = _cat_rows(mine.values, theirs.values, dim=2)
+            stack_layer_rows(mine, [layer_tensors(mine), layer_tensors(theirs)])
         caches = (self.draft_cache, other.draft_cache)
         layers = max(len(cache.keys) for cache in caches)
         self.draft_cache.keys = [_merge_draft_layer([_layer(c.keys, i) for c in caches], counts) for i in range(layers)]
         self.draft_cache.values = [_merge_draft_layer([_layer(c.values, i) for c in caches], counts)
                                    for i in range(layers)]
+
+    def target_entries(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The row's valid target-cache entries, in order, as (1, heads, length, dim) tensors of every layer (one host
+        read): what a later turn of its conversation continues from."""
+        columns = self.target_valid[row].nonzero().flatten()
+        return row_entries(self.target_cache, row, columns)
 
     def stage_context(self, features: torch.Tensor, valid: torch.BoolTensor, positions: torch.LongTensor,
                       width: int) -> None:

@@ -1,8 +1,10 @@
-"""Batched speculative decoding: R requests drafted and verified together by a DSpark or DFlash drafter.
+"""Batched decoding: R requests decoded together, drafted and verified by a DSpark or DFlash drafter, or, without a
+drafter, plain continuous batching (every round verifies no drafts: one target token per row per step).
 
 The rows' state (both caches with holes, explicit positions) is `batch_state.BatchRows`; the token choice per row
 is `sampling.RowSampling`; drafting is the one core of every batch size (`drafting.draft_block`) and the draft
-length the one rule (`DraftLengthRule`), as in the batch-1 loop.
+length the one rule (`DraftLengthRule`), as in the batch-1 loop. The passes over the rows are `engine_rounds`, the
+requests' bookkeeping `engine_requests`, and transformers' cache internals `transformers_internals`.
 
 * Target: one `DynamicCache` of width W for all rows and a (R, W) validity mask, passed as the 2D attention mask
   (transformers builds the causal 4D mask from it; the causal order is the cache order, which is each row's order).
@@ -15,7 +17,8 @@ A round reads the device twice, whatever R: the verified lengths (with their con
 which fix the verification forward's width, and the accepted counts with the emitted tokens, from which each
 request's EOS and length limit are found on the host (every row at once) and its output is extended. A round in
 which requests finish reads once more (which cache columns are still used), and a `DSparkScheduler` in
-`"two_steps_ago"` mode once more to decide whether the round drafts at all: four at most.
+`"two_steps_ago"` mode once more to decide whether the round drafts at all: four at most. A plain round reads once
+(the tokens), and once more when requests finish.
 
 A finished request (EOS or its `max_new_tokens`) is removed from every tensor and cache, so rounds only pay for the
 requests still running. Holes also make **continuous batching** cheap (`SpeculativeEngine`): a request that
@@ -23,153 +26,30 @@ arrives while others run is prefilled alone (with the other newcomers), its prom
 drafter cache, and its rows are appended to the running batch, each cache padded with holes to the wider of the
 two; cache columns that no remaining row uses are dropped then. Every request has its own sampling settings, EOS
 and length limit; rows with equal settings share one warper pass. The verification rule is `greedy_verify` /
-`rejection_sample`, the same as at batch size 1.
+`rejection_sample`, the same as at batch size 1. In plain decoding a finished request's cache can be parked and a
+later request (the conversation's next turn) continued on it, prefilling only its new tokens.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from ..models.common import BLOCK_DRAFTER_TYPE, DraftContextCache, drafter_type
 from ..models.modeling_dspark import DSparkDraftModel
-from ..scheduling.draft_length import DraftLengthRule, resolve_verification_policy
+from ..scheduling.draft_length import DraftLengthRule
 from .batch_state import BatchRows, to_device
 from .drafting import Drafts, draft_block, verify_drafts
+from .engine_checks import check_drafter, check_left_padded, check_resume, check_target, checked_prompt
+from .engine_requests import BatchedOutput, EngineSnapshot, ParkedCache, Request, emit, eos_ids
+from .engine_rounds import (PlainChoice, commit_round, left_padded, plain_step, prefill, prefill_resumed,
+                            project_context, read_lengths, verify_round)
 from .sampling import RowSampling, SamplingParams
 from .stats import SpeculativeStats
 
 # Re-exported: the batch-1 loop and users import them from here.
-__all__ = ["BatchedOutput", "SamplingParams", "SpeculativeEngine", "batched_speculative_generate",
-           "check_left_padded", "resolve_verification_policy"]
-_HOLE_SAFE_ATTENTION = ("sdpa", "eager")
-
-
-@dataclass
-class BatchedOutput:
-    """What `batched_speculative_generate` returns.
-
-    sequences: per request, its prompt (without padding) followed by the new tokens.
-    stats: per request, one `SpeculativeStats` entry per verification round it took part in.
-    verified_tokens_per_round: per round, the tokens in the target forward summed over active requests,
-        sum(k_r + 1) (padding excluded): the verification batch B the scheduler prices.
-    """
-
-    sequences: list[torch.LongTensor]
-    stats: list[SpeculativeStats]
-    verified_tokens_per_round: list[int] = field(default_factory=list)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Checks and settings
-# ------------------------------------------------------------------------------------------------------------------
-
-
-def _check_engine(target, drafter, policy, policy_arg) -> DraftLengthRule:
-    """Refuse what the engine cannot run, before any work; returns the draft-length rule of the policy."""
-    if drafter_type(drafter) != BLOCK_DRAFTER_TYPE:
-        raise ValueError(
-            f"Batched speculative decoding supports DSpark/DFlash drafters (DSparkDraftModel), got "
-            f"{type(drafter).__name__}. Use target.generate(..., assistant_model=drafter) per prompt for Eagle3."
-        )
-    if target.config.is_encoder_decoder:
-        raise ValueError("hf_dspark drafters serve decoder-only targets; this target is encoder-decoder.")
-    implementation = target.config._attn_implementation
-    if implementation not in _HOLE_SAFE_ATTENTION:
-        raise ValueError(
-            f"Batched speculative decoding keeps holes in the target cache, which needs an attention that takes an "
-            f"arbitrary padding mask ({' or '.join(_HOLE_SAFE_ATTENTION)}); this target uses {implementation!r}. "
-            f"Load it with attn_implementation='sdpa'."
-        )
-    _new_target_cache(target)  # refuses sliding-window targets before any work
-    rule = DraftLengthRule(policy, policy_arg, drafter.confidence_threshold_rule)  # refuses a malformed policy
-    if policy in ("threshold", "scheduler") and drafter.confidence_proj is None:
-        raise ValueError(
-            f"policy {policy!r} needs the drafter's confidence head; this drafter has none (DFlash). "
-            "Use policy 'all' or 'fixed'."
-        )
-    return rule
-
-
-def check_left_padded(input_ids, attention_mask) -> None:
-    """Holes replace padding only at the front of a row: a pad after a real token would be read as context."""
-    if input_ids.ndim != 2 or attention_mask is None or attention_mask.shape != input_ids.shape:
-        raise ValueError("input_ids and attention_mask must both have shape (batch, prompt_length).")
-    mask = attention_mask.bool()
-    if not bool(mask[:, -1].all()) or bool((mask[:, 1:].long() < mask[:, :-1].long()).any()):
-        raise ValueError(
-            "Prompts must be left-padded (attention_mask 0s then 1s, ending in a real token); tokenize with "
-            "padding_side='left'."
-        )
-
-
-def _new_target_cache(target) -> DynamicCache:
-    """A cache whose layers all keep every entry: a sliding window counts cache slots, holes included, so it would
-    attend to fewer real tokens than the target's own decoding does."""
-    cache = DynamicCache(config=target.config)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise ValueError(
-            "Batched speculative decoding does not support targets with sliding-window or other non-full attention "
-            "layers (their caches drop entries by slot count, which holes would distort); decode them per prompt."
-        )
-    return cache
-
-
-def _eos_ids(target, eos_token_id) -> set[int]:
-    """Like `generate`: None falls back to the target's generation config."""
-    if eos_token_id is None:
-        eos_token_id = getattr(target.generation_config, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    if isinstance(eos_token_id, torch.Tensor):
-        return set(eos_token_id.flatten().tolist())
-    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
-
-
-@dataclass
-class _EngineSnapshot:
-    """`SpeculativeEngine` state before a step (see `SpeculativeEngine._snapshot`)."""
-
-    waiting: list[int]
-    rows: "BatchRows | None"
-    row_fields: dict
-    target_layers: list[dict]
-    draft_layers: tuple[list, list]
-    requests: dict[int, tuple[int, int, int]]  # request id -> (tokens, emitted, rounds recorded)
-    rounds: int
-
-
-@dataclass
-class _Request:
-    """One request's settings and output so far."""
-
-    tokens: list[int]  # prompt, then the new tokens
-    max_new_tokens: int
-    sampling: SamplingParams
-    eos: set[int]
-    stats: SpeculativeStats = field(default_factory=SpeculativeStats)
-    emitted: int = 0
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Target and drafter passes
-# ------------------------------------------------------------------------------------------------------------------
-
-
-def _target_forward(target, rows: BatchRows, tokens, new_valid, positions, layer_indices, keep: int,
-                    feature_device=None):
-    """Append `tokens` (R, N) to the shared cache; returns (float logits of the last `keep` entries, features)."""
-    mask = torch.cat([rows.target_valid, new_valid], dim=1)
-    kwargs = {"logits_to_keep": keep} if target._supports_logits_to_keep() else {}
-    out = target(input_ids=tokens, attention_mask=mask.long(), position_ids=positions, cache=rows.target_cache,
-                 use_cache=True, output_hidden_states=layer_indices, **kwargs)
-    # With a device_map the layers' states live on their layers' devices; the drafter sits by the LM head.
-    features = torch.cat([out.hidden_states[i].to(feature_device) for i in layer_indices], dim=-1)
-    return out.logits[:, -keep:].float(), features
+__all__ = ["BatchedOutput", "ParkedCache", "SamplingParams", "SpeculativeEngine", "batched_speculative_generate",
+           "check_left_padded"]
 
 
 def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor, slots: int, rule: DraftLengthRule,
@@ -195,108 +75,8 @@ def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor,
     return Drafts(tokens, probs, rule.lengths(confidences, budget), confidences)
 
 
-def _project_context(drafter: DSparkDraftModel, rows: BatchRows) -> None:
-    """Move the queued context into the drafter's cache now, with a one-slot pass whose output is discarded.
-
-    A context row's keys and values depend only on its target features and position, not on the block, so this
-    is what the next round would compute. Newcomers do it before joining: their prompt context then shares the
-    running rows' cache columns (the merged width is the larger of the two) instead of being appended after them.
-    """
-    if rows.pending.shape[1] == 0:
-        return
-    block = rows.anchor.new_full((len(rows), 1), drafter.config.mask_token_id)
-    drafter(input_ids=block, target_hidden_states=rows.pending, position_ids=rows.target_length[:, None],
-            context_position_ids=rows.pending_positions, cache=rows.draft_cache)
-    rows.draft_valid = torch.cat([rows.draft_valid, rows.pending_valid], dim=1)
-    rows.pending, rows.pending_valid = rows.pending[:, :0], rows.pending_valid[:, :0]
-    rows.pending_positions = rows.pending_positions[:, :0]
-
-
-def _prefill(target, input_ids, prompt_mask, request_ids, layer_indices, sampling: RowSampling, generator,
-             feature_device) -> tuple[BatchRows, torch.LongTensor]:
-    """Run left-padded prompts through the target; return their rows' state and each request's first new token.
-
-    Positions count real tokens only, as `generate` does for left-padded prompts. Left padding becomes the first
-    holes of both caches.
-    """
-    num_requests, device = input_ids.shape[0], input_ids.device
-    positions = (prompt_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
-    empty = prompt_mask[:, :0]
-    rows = BatchRows(
-        request=to_device(request_ids, device),
-        request_ids=list(request_ids),
-        anchor=input_ids[:, -1],
-        target_cache=_new_target_cache(target),
-        target_valid=empty,
-        target_length=input_ids.new_zeros(num_requests),
-        draft_cache=DraftContextCache(),
-        draft_valid=empty,
-        pending=torch.zeros(num_requests, 0, 0, device=device),
-        pending_valid=empty,
-        pending_positions=positions[:, :0],
-    )
-    target_logits, features = _target_forward(target, rows, input_ids, prompt_mask, positions, layer_indices, keep=1,
-                                              feature_device=feature_device)
-    _, first_token, _ = verify_drafts(sampling, target_logits, Drafts.empty(num_requests, device), generator)
-    rows.target_valid, rows.target_length = prompt_mask, prompt_mask.long().sum(dim=1)
-    rows.stage_context(features, prompt_mask, positions, width=prompt_mask.shape[1])
-    return rows, first_token
-
-
-def _verify_round(target, rows: BatchRows, drafts: Drafts, width: int, layer_indices, sampling: RowSampling,
-                  generator, feature_device):
-    """Verify every row's anchor and drafts in one target forward of `width` entries per row (the longest row's
-    drafts + 1, read on the host). Returns (candidate tokens (R, width): accepted drafts then the target's token,
-    number accepted (R,), features, positions), all on the device."""
-    offsets = torch.arange(width, device=rows.anchor.device)
-    tokens = torch.cat([rows.anchor[:, None], drafts.tokens[:, : width - 1]], dim=1)
-    new_valid = offsets[None, :] < drafts.lengths[:, None] + 1
-    positions = rows.target_length[:, None] + offsets  # padded entries get the same arithmetic; they are masked
-    target_logits, features = _target_forward(target, rows, tokens, new_valid, positions, layer_indices, keep=width,
-                                              feature_device=feature_device)
-    num_accepted, next_token, _ = verify_drafts(sampling, target_logits, drafts, generator)
-    new_tokens = torch.cat([drafts.tokens[:, : width - 1], tokens.new_zeros(tokens.shape[0], 1)], dim=1)
-    new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
-    return new_tokens, num_accepted, features, positions
-
-
-def _commit_round(rows: BatchRows, num_accepted: torch.LongTensor, accepted: list[int], width: int, features,
-                  positions) -> None:
-    """The newest token and the accepted drafts become valid; rejected drafts and padding stay as holes, except
-    the trailing columns that no row kept: cropping those is a free slice and bounds the cache's growth. `accepted`
-    is `num_accepted` as read on the host."""
-    used = max(accepted) + 1
-    if used < width:
-        rows.target_cache.crop(-(width - used))
-    kept = torch.arange(used, device=rows.anchor.device)[None, :] < num_accepted[:, None] + 1
-    rows.target_valid = torch.cat([rows.target_valid, kept], dim=1)
-    rows.target_length = rows.target_length + num_accepted + 1
-    rows.stage_context(features, kept, positions, width=used)
-
-
-def _emit(requests: list["_Request"], new_tokens: list[list[int]], counts: list[int]) -> list[bool]:
-    """Append each row's first `counts[r]` tokens (host ints), stopping after an EOS or at `max_new_tokens` exactly
-    as plain decoding would (every row's EOS found at once in the values read). Returns which rows finished."""
-    finished = []
-    for request, tokens, count in zip(requests, new_tokens, counts):
-        done = False
-        for token in tokens[:count]:
-            request.tokens.append(token)
-            request.emitted += 1
-            if token in request.eos or request.emitted >= request.max_new_tokens:
-                done = True
-                break
-        finished.append(done)
-    return finished
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# The engine
-# ------------------------------------------------------------------------------------------------------------------
-
-
 class SpeculativeEngine:
-    """Continuous batching: requests join and leave a running batch between verification rounds.
+    """Continuous batching: requests join and leave a running batch between rounds.
 
     ```python
     engine = SpeculativeEngine(target, drafter)
@@ -307,17 +87,19 @@ class SpeculativeEngine:
     ```
 
     A submitted request waits until the next `step()`, which first prefills every waiting prompt together (one
-    left-padded target forward) and appends their rows to the running batch, then runs one draft-verify round for
-    all rows. Each request's output is distributed exactly as the target's own decoding of its prompt alone with
-    its own settings (greedy: the same tokens), whatever else shares the batch and whenever it joined.
+    left-padded target forward) and appends their rows to the running batch, then runs one round for all rows.
+    Each request's output is distributed exactly as the target's own decoding of its prompt alone with its own
+    settings (greedy: the same tokens), whatever else shares the batch and whenever it joined.
 
     Args:
         target: a decoder-only causal LM with full attention on every layer (sdpa or eager).
-        drafter: a `DSparkDraftModel` trained for `target` (attached here).
+        drafter: a `DSparkDraftModel` trained for `target` (attached here), or None for plain continuous batching
+            (each round emits one target token per row; `policy` must stay "all").
         policy, policy_arg: how many drafted slots each row verifies per round, as in
-            `batched_speculative_generate`. `None` takes the drafter's own `verification_policy`
-            (`resolve_verification_policy`). A stateful scheduler is `reset()` whenever the batch starts empty.
-        generator: random source for drafting and acceptance (sampled requests only).
+            `batched_speculative_generate`. A stateful scheduler is `reset()` whenever the batch starts empty.
+        threshold_rule: what policy "threshold" compares: ``"cumulative"`` (c_1...c_j) or ``"per_slot"`` (c_j).
+        draft_length: slots drafted per round, 1..`drafter.config.num_draft_slots`; None drafts all of them.
+        generator: random source for drafting and acceptance (sampled requests without a generator of their own).
         keep_stats: keep every request's statistics in `stats` after its output is returned (a long-running
             server would grow without bound; by default they leave with the output, see `returned_stats`).
 
@@ -329,23 +111,33 @@ class SpeculativeEngine:
         verified_tokens_per_round: per round, sum over running requests of k_r + 1 (the verification batch B).
     """
 
-    def __init__(self, target, drafter: DSparkDraftModel, policy: str | None = None, policy_arg=None, *,
+    def __init__(self, target, drafter: DSparkDraftModel | None = None, policy: str = "all", policy_arg=None, *,
+                 threshold_rule: str = "cumulative", draft_length: int | None = None,
                  generator: torch.Generator | None = None, keep_stats: bool = False):
-        if policy is None and drafter_type(drafter) == BLOCK_DRAFTER_TYPE:
-            policy, policy_arg = resolve_verification_policy(drafter)
-        self.rule = _check_engine(target, drafter, policy, policy_arg)
-        drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
+        self.plain = drafter is None
+        if self.plain:
+            if policy != "all" or draft_length is not None:
+                raise ValueError("an engine without a drafter verifies no drafts: leave policy='all' and "
+                                 "draft_length=None, or pass the drafter.")
+            check_target(target)
+            self.rule, self.gamma, self.layer_indices, self.feature_device = None, 0, (), None
+        else:
+            self.rule, self.gamma = check_drafter(target, drafter, policy, policy_arg, threshold_rule, draft_length)
+            drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
+            self.layer_indices, self.feature_device = drafter.target_hidden_state_indices, drafter.device
         self.target, self.drafter = target, drafter
         self.policy, self.policy_arg = policy, policy_arg
         self.generator = generator
         self.device = target.device
-        self.gamma = self.rule.max_slots(drafter.draft_length())
+        self._vocab_size = target.get_input_embeddings().weight.shape[0]
         self._sampling: tuple[list[int], RowSampling] | None = None  # the current rows' settings, built once
+        self._plain_choice: tuple[list[int], PlainChoice] | None = None  # the same, for plain decoding
         self.stats: dict[int, SpeculativeStats] = {}
         self.keep_stats = keep_stats
         self.returned_stats: dict[int, SpeculativeStats] = {}
         self.verified_tokens_per_round: list[int] = []
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, Request] = {}
+        self._parked: dict[int, ParkedCache] = {}
         self._waiting: list[int] = []
         self._rows: BatchRows | None = None
         self._ids = itertools.count()
@@ -355,39 +147,33 @@ class SpeculativeEngine:
 
     def submit(self, input_ids: torch.LongTensor, max_new_tokens: int, *, do_sample: bool = False,
                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               eos_token_id: int | list[int] | None = None) -> int:
+               eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
+               resume: ParkedCache | None = None, keep_cache: bool = False) -> int:
         """Queue one prompt (1D token ids, no padding) and return its request id. It joins at the next `step()`.
         `eos_token_id` None falls back to the target's generation config, like `generate`.
+
+        Plain decoding (no drafter) also takes: `generator`, this request's own random source (its samples then do
+        not depend on what shares its rounds); `keep_cache`, park its cache when it finishes (`take_parked`);
+        `resume`, a parked cache this prompt continues (its tokens must start the prompt): only the rest is
+        prefilled.
 
         Everything is checked here, before the request can share a round with others: integer token ids (a
         float tensor is refused, not truncated), one non-empty 1D prompt, every id inside the target's vocabulary,
         and the sampling settings. A refused request leaves the engine unchanged."""
-        input_ids = torch.as_tensor(input_ids)
-        if input_ids.ndim == 2 and input_ids.shape[0] == 1:
-            input_ids = input_ids[0]
-        if input_ids.ndim != 1 or input_ids.numel() == 0:
-            raise ValueError(
-                f"submit takes one non-empty prompt of shape (length,), got shape {tuple(input_ids.shape)}."
-            )
-        if input_ids.dtype == torch.bool or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
-            raise ValueError(
-                f"submit takes integer token ids, got dtype {input_ids.dtype}; pass the tokenizer's ids as a "
-                "LongTensor (e.g. tokenizer(text, return_tensors='pt').input_ids[0])."
-            )
-        vocab_size = self.target.get_input_embeddings().weight.shape[0]
-        outside = ((input_ids < 0) | (input_ids >= vocab_size)).nonzero()
-        if outside.numel():
-            position = int(outside[0, 0])
-            raise ValueError(
-                f"token id {int(input_ids[position])} at position {position} is outside the target's vocabulary "
-                f"(ids 0..{vocab_size - 1}); tokenize the prompt with the target's own tokenizer."
-            )
+        tokens = checked_prompt(input_ids, self._vocab_size).tolist()
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}.")
+        if (generator is not None or keep_cache) and not self.plain:
+            raise ValueError("generator= and keep_cache= are options of plain decoding (drafter=None); with a "
+                             "drafter, sampled requests draw from the engine's generator.")
+        if keep_cache and max_new_tokens == 0:
+            raise ValueError("keep_cache=True needs max_new_tokens >= 1: a request that decodes nothing computes "
+                             "no cache to park.")
+        check_resume(tokens, resume, self.plain)
         sampling = SamplingParams(bool(do_sample), float(temperature), float(top_p), int(top_k or 0))
         request_id = next(self._ids)
-        self._requests[request_id] = _Request(input_ids.tolist(), max_new_tokens, sampling,
-                                              _eos_ids(self.target, eos_token_id))
+        self._requests[request_id] = Request(tokens, max_new_tokens, sampling, eos_ids(self.target, eos_token_id),
+                                             generator, resume, keep_cache)
         self.stats[request_id] = self._requests[request_id].stats
         self._waiting.append(request_id)
         return request_id
@@ -409,13 +195,15 @@ class SpeculativeEngine:
         was before the step: waiting requests still wait, running ones keep their caches and tokens. Fix the
         cause, or `cancel()` the offending request, and step again; every other request's output is unchanged.
         (A stateful scheduler may have seen the failed round's confidences: that changes draft lengths only.)"""
-        snapshot = self._snapshot()
+        snapshot = EngineSnapshot.take(self._waiting, self._rows, self._requests, self._parked,
+                                       len(self.verified_tokens_per_round))
         try:
             finished = self._admit_waiting()
             if self.num_running:
-                finished += self._round()
+                finished += self._plain_round() if self.plain else self._round()
         except BaseException as error:
-            self._restore(snapshot)
+            self._waiting, self._rows, self._sampling, self._plain_choice = snapshot.waiting, snapshot.rows, None, None
+            snapshot.restore(self._requests, self._parked, self.verified_tokens_per_round)
             if hasattr(error, "add_note"):
                 error.add_note(
                     f"SpeculativeEngine: the step that raised this ({len(snapshot.waiting)} waiting requests "
@@ -440,7 +228,6 @@ class SpeculativeEngine:
                 self._rows = None
             elif len(keep) < len(self._rows):
                 self._rows.select(keep)
-                self._rows.drop_unused_columns()
         return self._pop_output(request_id)
 
     def run_until_done(self) -> dict[int, torch.LongTensor]:
@@ -454,42 +241,19 @@ class SpeculativeEngine:
         self.returned_stats = returned
         return outputs
 
+    def take_parked(self, request_id: int) -> ParkedCache:
+        """The parked cache of a finished `keep_cache=True` request, leaving the engine (pass it to `submit(...,
+        resume=)` for the conversation's next turn, or drop it)."""
+        if request_id not in self._parked:
+            raise KeyError(f"no parked cache for request {request_id}: submit it with keep_cache=True (plain "
+                           "decoding) and take its cache once, after its output was returned.")
+        return self._parked.pop(request_id)
+
     # -- internals ------------------------------------------------------------------------------------------------
 
-    def _snapshot(self) -> "_EngineSnapshot":
-        """What a step may change, by reference: every cache update and row edit replaces tensors (none is written
-        in place), so keeping the old references is enough to undo a step."""
-        rows = self._rows
-        requests = {r: (len(q.tokens), q.emitted, q.stats.num_rounds) for r, q in self._requests.items()}
-        if rows is None:
-            return _EngineSnapshot(list(self._waiting), None, {}, [], ([], []), requests,
-                                   len(self.verified_tokens_per_round))
-        return _EngineSnapshot(
-            list(self._waiting), rows, dict(vars(rows)), [dict(vars(layer)) for layer in rows.target_cache.layers],
-            (list(rows.draft_cache.keys), list(rows.draft_cache.values)), requests,
-            len(self.verified_tokens_per_round))
-
-    def _restore(self, snapshot: "_EngineSnapshot") -> None:
-        self._waiting = snapshot.waiting
-        self._rows = rows = snapshot.rows
-        if rows is not None:
-            vars(rows).clear()
-            vars(rows).update(snapshot.row_fields)
-            for layer, fields in zip(rows.target_cache.layers, snapshot.target_layers):
-                vars(layer).clear()
-                vars(layer).update(fields)
-            rows.draft_cache.keys, rows.draft_cache.values = (list(k) for k in snapshot.draft_layers)
-        for request_id, (length, emitted, rounds) in snapshot.requests.items():
-            request = self._requests[request_id]
-            del request.tokens[length:]
-            request.emitted = emitted
-            for per_round in vars(request.stats).values():  # draft_lengths, accepted, confidences, ...
-                if isinstance(per_round, list):
-                    del per_round[rounds:]
-        del self.verified_tokens_per_round[snapshot.rounds:]
-
     def _reset_policy(self) -> None:
-        self.rule.reset()
+        if self.rule is not None:
+            self.rule.reset()
 
     def _row_sampling(self, request_ids: list[int]) -> RowSampling:
         if self._sampling is None or self._sampling[0] != request_ids:
@@ -504,39 +268,63 @@ class SpeculativeEngine:
         return torch.tensor(request.tokens, dtype=torch.long, device=self.device)
 
     def _admit_waiting(self) -> list[int]:
-        """Prefill the waiting prompts together and append their rows to the batch; returns those already done
-        (no new tokens asked, or the first token ends them)."""
+        """Prefill the waiting prompts (those continuing a parked cache apart, on it) and append their rows to the
+        batch; returns those already done (no new tokens asked, or the first token ends them)."""
         waiting, self._waiting = self._waiting, []
         finished = [r for r in waiting if self._requests[r].max_new_tokens == 0]
         starting = [r for r in waiting if self._requests[r].max_new_tokens > 0]
-        if not starting:
-            return finished
-        prompts = [self._requests[r].tokens for r in starting]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros_like(input_ids, dtype=torch.bool)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt):] = True
-        input_ids, mask = input_ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
-        rows, first_token = _prefill(self.target, input_ids, mask, starting, self.drafter.target_hidden_state_indices,
-                                     self._row_sampling(starting), self.generator, self.drafter.device)
-        first = [[token] for token in first_token.tolist()]
-        done = _emit([self._requests[r] for r in starting], first, [1] * len(starting))
+        resumed = [r for r in starting if self._requests[r].resume is not None]
+        if resumed:
+            parked = [self._requests[r].resume for r in resumed]
+            new_tokens = [self._requests[r].tokens[len(p.tokens):] for r, p in zip(resumed, parked)]
+            for request_id in resumed:
+                self._requests[request_id].resume = None  # its entries are in the rows now
+            finished += self._join(resumed, *prefill_resumed(self.target, parked, new_tokens, resumed, self.device))
+        fresh = [r for r in starting if r not in resumed]
+        if fresh:
+            input_ids, mask = left_padded([self._requests[r].tokens for r in fresh], self.device)
+            rows, logits = prefill(self.target, input_ids, mask, fresh, self.layer_indices, self.feature_device)
+            finished += self._join(fresh, rows, logits)
+        return finished
+
+    def _join(self, request_ids: list[int], rows: BatchRows, logits: torch.Tensor) -> list[int]:
+        """Pick the prefilled rows' first tokens and append the rows that go on to the batch; returns those done."""
+        if self.plain:
+            first_token = self._choose(request_ids, logits[:, -1])
+        else:
+            empty = Drafts.empty(len(request_ids), logits.device)
+            first_token = verify_drafts(self._row_sampling(request_ids), logits, empty, self.generator)[1]
+        done = emit([self._requests[r] for r in request_ids], [[t] for t in first_token.tolist()],
+                    [1] * len(request_ids))
         rows.anchor = first_token
-        finished += [r for r, d in zip(starting, done) if d]
+        self._park(rows, done)
         if all(done):
-            return finished
+            return request_ids
         if any(done):
             rows.select([row for row, d in enumerate(done) if not d])
         if self.num_running:
-            _project_context(self.drafter, rows)
+            if not self.plain:
+                project_context(self.drafter, rows)
             self._rows.merge(rows)
             self._rows.drop_unused_columns()  # columns of the newcomers' left padding
         else:
             self._rows = rows
             self._reset_policy()  # a new batch: a stateful scheduler starts from its fallback
-        return finished
+        return [r for r, d in zip(request_ids, done) if d]
+
+    def _choose(self, request_ids: list[int], logits: torch.Tensor) -> torch.LongTensor:
+        """Plain decoding's tokens for these rows (the choice is built once per set of rows)."""
+        if self._plain_choice is None or self._plain_choice[0] != request_ids:
+            self._plain_choice = (list(request_ids), PlainChoice([self._requests[r] for r in request_ids], self.device))
+        return self._plain_choice[1].choose(logits, self.generator)
+
+    def _park(self, rows: BatchRows, done: list[bool]) -> None:
+        """Keep the cache of the finished `keep_cache` requests (their entries cover all their tokens but the
+        last, which never went through the target)."""
+        for row, (request_id, finished) in enumerate(zip(rows.request_ids, done)):
+            request = self._requests[request_id]
+            if finished and request.keep_cache:
+                self._parked[request_id] = ParkedCache(request.tokens[:-1], rows.target_entries(row))
 
     def _round(self) -> list[int]:
         """One draft-verify round for every running row; retires and returns the requests it finished.
@@ -549,47 +337,55 @@ class SpeculativeEngine:
         # Every round emits at least one token, so a row drafts at most (tokens left - 1).
         budgets = [max(0, min(self.gamma, q.max_new_tokens - q.emitted - 1)) for q in requests]
         if not self.rule.needs_drafts():
-            _project_context(self.drafter, rows)  # keep the drafter's context current; nothing is drafted
+            project_context(self.drafter, rows)  # keep the drafter's context current; nothing is drafted
             drafts = Drafts.empty(len(rows), rows.anchor.device)
             lengths, confidences = [0] * len(rows), [[] for _ in rows.request_ids]
         else:
             drafts = _draft(self.drafter, rows, to_device(budgets, rows.anchor.device), max(budgets), self.rule,
                             sampling, self.generator)
-            lengths, confidences = _read_lengths(drafts)
+            lengths, confidences = read_lengths(drafts)
         width = max(lengths) + 1
-        new_tokens, num_accepted, features, positions = _verify_round(
-            self.target, rows, drafts, width, self.drafter.target_hidden_state_indices, sampling, self.generator,
-            self.drafter.device)
+        new_tokens, num_accepted, features, positions = verify_round(
+            self.target, rows, drafts, width, self.layer_indices, sampling, self.generator, self.feature_device)
         values = torch.cat([num_accepted[:, None], new_tokens], dim=1).tolist()  # the round's second read
         accepted = [row[0] for row in values]
-        _commit_round(rows, num_accepted, accepted, width, features, positions)
+        commit_round(rows, num_accepted, accepted, width, features, positions)
 
         self.verified_tokens_per_round.append(sum(lengths) + len(rows))
         before = [request.emitted for request in requests]
-        done = _emit(requests, [row[1:] for row in values], [count + 1 for count in accepted])
+        done = emit(requests, [row[1:] for row in values], [count + 1 for count in accepted])
         for request, length, count, start, slot_confidences in zip(requests, lengths, accepted, before, confidences):
             # A row that stops inside its drafts (EOS) counts only the drafts it emitted (as batch 1 does).
             count = min(count, request.emitted - start - 1)
             request.stats.record(length, count, slot_confidences if self.drafter.confidence_proj is not None else None)
-        finished = [r for r, d in zip(request_ids, done) if d]
+        # A row that goes on emitted all its tokens, the last being the target's: the next anchor.
+        return self._retire(done, lambda: new_tokens.gather(1, num_accepted[:, None]).squeeze(1))
+
+    def _plain_round(self) -> list[int]:
+        """Plain decoding: one target token per row, read once."""
+        rows = self._rows
+        request_ids = rows.request_ids
+        requests = [self._requests[r] for r in request_ids]
+        tokens = self._choose(request_ids, plain_step(self.target, rows))
+        self.verified_tokens_per_round.append(len(rows))
+        done = emit(requests, [[token] for token in tokens.tolist()], [1] * len(rows))
+        for request in requests:
+            request.stats.record(0, 0)
+        return self._retire(done, lambda: tokens)
+
+    def _retire(self, done: list[bool], next_anchor) -> list[int]:
+        """Park and remove the rows that finished (one more read, in the rounds where requests leave); the others
+        take `next_anchor()`. Returns the finished requests."""
+        rows = self._rows
+        finished = [r for r, d in zip(rows.request_ids, done) if d]
+        self._park(rows, done)
         if all(done):
             self._rows = None
-        else:
-            # A row that goes on emitted all its tokens, the last being the target's: the next anchor.
-            rows.anchor = new_tokens.gather(1, num_accepted[:, None]).squeeze(1)
-            if finished:  # one more read, in the rounds where requests leave
-                rows.select([row for row, d in enumerate(done) if not d])
-                rows.drop_unused_columns()
+            return finished
+        rows.anchor = next_anchor()
+        if finished:
+            rows.select([row for row, d in enumerate(done) if not d])
         return finished
-
-
-def _read_lengths(drafts: Drafts) -> tuple[list[int], list[list[float]]]:
-    """The round's first read of the device: each row's verified length, with the confidences of those slots."""
-    if drafts.confidences is None:
-        return drafts.lengths.tolist(), [[] for _ in range(drafts.lengths.shape[0])]
-    values = torch.cat([drafts.lengths[:, None].to(drafts.confidences.dtype), drafts.confidences], dim=1).tolist()
-    lengths = [int(row[0]) for row in values]
-    return lengths, [row[1 : 1 + length] for row, length in zip(values, lengths)]
 
 
 @torch.no_grad()
@@ -607,6 +403,8 @@ def batched_speculative_generate(
     eos_token_id: int | list[int] | None = None,
     policy: str = "all",
     policy_arg=None,
+    threshold_rule: str = "cumulative",
+    draft_length: int | None = None,
     generator: torch.Generator | None = None,
 ) -> BatchedOutput:
     """Lossless speculative decoding of a left-padded batch of prompts with a DSpark or DFlash drafter.
@@ -621,22 +419,24 @@ def batched_speculative_generate(
         drafter: a `DSparkDraftModel` trained for `target` (attached here).
         input_ids, attention_mask: (R, P) left-padded prompts and their mask.
         policy: how many drafted slots each row verifies per round:
-            ``"all"``: every slot the budget allows (up to the drafter's `draft_length()`);
+            ``"all"``: every slot the budget allows (up to `draft_length`);
             ``"fixed"``: `policy_arg` slots;
             ``"threshold"``: up to the first slot whose cumulative confidence c_1...c_j is below `policy_arg` (its
-            own c_j with `drafter.confidence_threshold_rule = "per_slot"`, DeepSpec's meaning);
+            own c_j with `threshold_rule="per_slot"`, DeepSpec's meaning);
             ``"scheduler"``: `policy_arg.select_lengths(confidences, max_lengths)` of a `DSparkScheduler`, over all
             rows together (its `reset()` is called first). The last two need a confidence head (DSpark, not
-            DFlash). The drafter's own `verification_policy` is not used here (`generate` uses it).
+            DFlash). The drafter's own settings are not read here (`generate` resolves them).
+        draft_length: slots drafted per round (None: all of the drafter's).
         generator: random source for drafting and acceptance (sampling only).
     """
-    engine = SpeculativeEngine(target, drafter, policy, policy_arg, generator=generator)
+    engine = SpeculativeEngine(target, drafter, policy, policy_arg, threshold_rule=threshold_rule,
+                               draft_length=draft_length, generator=generator)
     check_left_padded(input_ids, attention_mask)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be non-negative, got {max_new_tokens}.")
     prompt_mask = attention_mask.bool()
     sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k)
-    eos = sorted(_eos_ids(target, eos_token_id))
+    eos = sorted(eos_ids(target, eos_token_id))
     request_ids = [engine.submit(input_ids[r, prompt_mask[r]], max_new_tokens, eos_token_id=eos, **sampling)
                    for r in range(input_ids.shape[0])]
     outputs = engine.run_until_done()

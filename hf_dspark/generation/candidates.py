@@ -1,65 +1,63 @@
-"""`transformers` candidate generators for hf_dspark drafters.
+"""Draft proposers of the batch-1 loop, one per drafter kind.
 
 Each round they take the target's hidden states at the drafter's layers for the positions committed since the
-last round (the accepted tokens), and propose the next round's drafts. With a cost table they first decide, from
-earlier rounds only, whether the drafter's block, a suffix match over the text so far (`drafter.suffix_drafting`)
+last round (the accepted tokens), and propose the next round's drafts. With round planning they first decide, from
+earlier rounds only, whether the drafter's block, a suffix match over the text so far (`dspark_suffix_drafting`)
 or no draft at all (a plain decoding step) gives the most expected tokens per second; the drafter then runs only
 in the rounds that use it and catches up on the context rows it skipped in one pass. The user's logits processors
 are applied exactly once to each draft slot, with the same context the target's slot will see during
 verification, and the distributions are returned so that the verifier uses the very distribution the tokens
 were sampled from (one-hot for a suffix proposal). DSpark and DFlash draft through the same core as the batched
-engine (`drafting.draft_block`, R = 1) and verify the length `DraftLengthRule` picks; a round reads the device
-once here (the verified length and its confidences) and once in the loop (the verification's outcome).
+engine (`drafting.draft_block`, R = 1) and verify the length the plan's `DraftLengthRule` picks; a round reads the
+device once here (the verified length and its confidences) and once in the loop (the verification's outcome).
+Every setting comes from the call's `DraftingPlan`; what rounds learn goes to its `DraftingState`.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
-from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..models.common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, DraftContextCache, DraftPreTrainedModel, drafter_type
+from ..models.drafter_base import DraftPreTrainedModel
+from ..models.identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, drafter_type
+from ..models.layers import DraftContextCache
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
-from ..scheduling.draft_length import DRAFTER, NO_DRAFT, SUFFIX, DraftLengthRule, ProposalStatistics, RoundPlanner
+from ..scheduling.round_planner import DRAFTER, NO_DRAFT, SUFFIX
 from .drafting import Drafts, draft_block, one_hot_probs
+from .plan import DraftingPlan
 from .sampling import ProcessorSampling
 from .stats import PhaseClock, SpeculativeStats
 from .suffix import SuffixIndex
 
 
-class DraftCandidateGenerator(CandidateGenerator):
+class DraftCandidateGenerator:
     """Shared bookkeeping: which target rows the drafter has consumed, the round's proposer, token choice."""
-
-    requires_model_outputs = True
 
     def __init__(
         self,
         drafter: DraftPreTrainedModel,
         logits_processor: LogitsProcessorList | None,
         generation_config: GenerationConfig,
+        plan: DraftingPlan,
         device: torch.device | None = None,
     ):
-        self.drafter = drafter
+        self.drafter, self.plan = drafter, plan
         self.sampling = ProcessorSampling(logits_processor, bool(generation_config.do_sample))
         self.do_sample = self.sampling.any_sampled
         self.max_length = generation_config.max_length
-        self.model_kwargs_overrides = {"output_hidden_states": drafter.target_hidden_state_indices}
         self.cache = DraftContextCache()
         self.context_length = 0  # sequence positions whose target features are in the drafter cache
         self.observed_length = 0  # sequence positions whose target features were taken from a target forward
         self._pending: list[torch.Tensor] = []  # features of positions context_length..observed_length
         self.stats = SpeculativeStats()
         device = device if device is not None else next(drafter.parameters()).device
-        self.clock = PhaseClock(device, drafter.time_phases)
+        self.clock = PhaseClock(device, plan.settings.time_phases)
         self._round_confidences: list[float] = []
         self._round_source = NO_DRAFT
         self._watched: list[tuple[int, list[int], int]] = []  # suffix proposals not yet scored
-        self.suffix = SuffixIndex() if drafter.suffix_drafting else None
-        if drafter.proposal_statistics is None:
-            drafter.proposal_statistics = ProposalStatistics()  # kept on the drafter: later calls start from it
-        self.planner = RoundPlanner(drafter.verification_costs, drafter_has_confidences(drafter),
-                                    drafter.proposal_statistics, learn_costs=drafter.learn_round_costs)
+        self.suffix = SuffixIndex() if plan.settings.suffix_drafting else None
+        self.planner = plan.round_planner()
 
     # -- our loop -------------------------------------------------------------------------------------------
 
@@ -69,7 +67,7 @@ class DraftCandidateGenerator(CandidateGenerator):
         `drafts.length`, the verified length on the host. `model_outputs` is the last target forward's."""
         self._observe(input_ids, model_outputs)
         self.sampling.sequence = input_ids
-        budget = min(self.drafter.draft_length(), self.max_length - input_ids.shape[1] - 1)
+        budget = min(self.plan.draft_length, self.max_length - input_ids.shape[1] - 1)
         self._round_confidences, self._round_source = [], NO_DRAFT
         if budget <= 0:
             return Drafts.empty(1, input_ids.device)
@@ -77,7 +75,7 @@ class DraftCandidateGenerator(CandidateGenerator):
         if proposal:
             self._watched.append((len(self.suffix.tokens), proposal, match))
         source, length = DRAFTER, 0
-        if self.drafter.round_planning:
+        if self.plan.settings.round_planning:
             started = self.clock.now()
             source, length = self.planner.choose(proposal, match)
             self.clock.lap(self.stats, "planning", started)
@@ -104,29 +102,6 @@ class DraftCandidateGenerator(CandidateGenerator):
             self.planner.record_drafter_accepted(num_accepted, draft_length)
         self.stats.record(draft_length, num_accepted, self._round_confidences, self._round_source)
 
-    # -- transformers' CandidateGenerator protocol -----------------------------------------------------------
-
-    @torch.no_grad()
-    def get_candidates(
-        self,
-        input_ids: torch.LongTensor,
-        model_kwargs: dict | None = None,
-        model_outputs=None,
-        is_first_iteration: bool = False,
-        n_last_matches: int = 0,
-    ) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
-        """Return (input_ids followed by k drafted tokens, draft log-probabilities (1, k, V) or None); k may be 0."""
-        if is_first_iteration or model_outputs is None:
-            return input_ids, None
-        drafts = self.propose(input_ids, model_outputs)
-        tokens = drafts.tokens[:, : drafts.length]
-        logits = drafts.probs[:, : drafts.length].log() if drafts.probs is not None and drafts.length else None
-        return torch.cat([input_ids, tokens], dim=-1), logits
-
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
-        """Called after verification: records the round (the draft length is the slots verified)."""
-        self.record_round(int(num_matches), scores.shape[1] - 1)
-
     def extend_text(self, new_tokens: list[int]) -> None:
         """Tell the suffix index about tokens appended to the sequence (the prompt, then each round's output, as
         host ints), and score the suffix proposals made so far against the text that followed them."""
@@ -142,7 +117,7 @@ class DraftCandidateGenerator(CandidateGenerator):
             if matched < len(seen) or len(seen) == len(proposal):
                 # What verifying the proposal would have accepted: every round scores the suffix drafter, chosen
                 # or not, so its statistics never starve while plain steps or the drafter are preferred.
-                self.drafter.proposal_statistics.suffix.record(match, len(proposal), matched)
+                self.plan.state.statistics.suffix.record(match, len(proposal), matched)
             else:
                 still_open.append((start, proposal, match))
         self._watched = still_open
@@ -179,10 +154,6 @@ class DraftCandidateGenerator(CandidateGenerator):
         raise NotImplementedError
 
 
-def drafter_has_confidences(drafter) -> bool:
-    return getattr(drafter, "confidence_proj", None) is not None
-
-
 class DSparkCandidateGenerator(DraftCandidateGenerator):
     """DSpark and DFlash: one parallel backbone pass per round, then the sequential head through the shared
     drafting core, then the draft-length rule on the device."""
@@ -191,7 +162,7 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rule = DraftLengthRule.for_drafter(self.drafter)
+        self.rule = self.plan.length_rule()
 
     def _backbone(self, input_ids, features):
         config = self.drafter.config
@@ -252,10 +223,11 @@ class Eagle3CandidateGenerator(DraftCandidateGenerator):
 
 
 def candidate_generator_for(
-    drafter: DraftPreTrainedModel, logits_processor: LogitsProcessorList | None, generation_config: GenerationConfig
+    drafter: DraftPreTrainedModel, logits_processor: LogitsProcessorList | None, generation_config: GenerationConfig,
+    plan: DraftingPlan,
 ) -> DraftCandidateGenerator:
     if drafter_type(drafter) == BLOCK_DRAFTER_TYPE:
-        return DSparkCandidateGenerator(drafter, logits_processor, generation_config)
+        return DSparkCandidateGenerator(drafter, logits_processor, generation_config, plan)
     if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
-        return Eagle3CandidateGenerator(drafter, logits_processor, generation_config)
+        return Eagle3CandidateGenerator(drafter, logits_processor, generation_config, plan)
     raise TypeError(f"no candidate generator for {type(drafter).__name__}")

@@ -25,7 +25,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from ..models.common import UserInputError
+from ..models.errors import UserInputError
 from .verification import sample
 
 # Processors whose output depends on the scores alone: one call covers every slot of a block.

@@ -29,7 +29,9 @@ class SpeculativeStats:
     the round's proposer)."""
 
     def __post_init__(self):
-        if len(self.sources) != len(self.draft_lengths):  # records written before sources were kept
+        # Records written before sources were kept (the committed benchmarks/eval-v*/records.jsonl) come back
+        # through evaluation/summary.py without them: a round that drafted was the drafter's.
+        if len(self.sources) != len(self.draft_lengths):
             self.sources = ["drafter" if d > 0 else "none" for d in self.draft_lengths]
 
     def add_seconds(self, phase: str, seconds: float) -> None:
@@ -94,7 +96,7 @@ class SpeculativeStats:
 class PhaseClock:
     """Reads the clock for per-phase seconds. On an accelerator the device is synchronised first (queued kernels
     would otherwise be billed to whichever phase waits for them), which costs a host round-trip per reading, so
-    there it runs only when asked (`drafter.time_phases = True`); on the CPU it is free and always on."""
+    there it runs only when asked (`dspark_time_phases=True`); on the CPU it is free and always on."""
 
     def __init__(self, device: torch.device, enabled: bool | None = None):
         self.synchronise = device.type != "cpu"

@@ -16,6 +16,8 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
 
+from .transformers_internals import use_static_layers
+
 
 class DynamicTargetRunner:
     """Eager forwards on a `DynamicCache`: every call appends its tokens; `crop` drops the rejected ones."""
@@ -43,12 +45,12 @@ class DynamicTargetRunner:
             self.cache.crop(-excess)
 
 
-def verification_buckets(drafter) -> tuple[int, ...]:
-    """The forward sizes a compiled verification is padded to, covering every round of `drafter` (1 to
-    gamma + 1 tokens). With `drafter.verification_costs`, the sizes the cost table pads to (`padded_tokens`, the
-    cheapest forward at or above each count); without, powers of two below gamma + 1, then gamma + 1."""
-    most = drafter.config.num_draft_slots + 1
-    costs = drafter.verification_costs
+def verification_buckets(num_draft_slots: int, costs=None) -> tuple[int, ...]:
+    """The forward sizes a compiled verification is padded to, covering every round of a drafter with
+    `num_draft_slots` slots (1 to gamma + 1 tokens). With a cost table `costs`, the sizes it pads to
+    (`padded_tokens`, the cheapest forward at or above each count); without, powers of two below gamma + 1, then
+    gamma + 1."""
+    most = num_draft_slots + 1
     if costs is not None:
         return tuple(sorted({costs.padded_tokens(n) for n in range(1, most + 1)}))
     return tuple(1 << k for k in range(most.bit_length()) if 1 << k < most) + (most,)
@@ -168,9 +170,7 @@ def _make_full_length(target, cache, capacity: int) -> int:
         )
     if kinds == {StaticLayer} and min(layer.max_cache_len for layer in cache.layers) >= capacity:
         return min(layer.max_cache_len for layer in cache.layers)
-    cache.layers = [StaticLayer(max_cache_len=capacity) for _ in cache.layers]
-    # As stock generate does, so the next call's StaticCache has this length and the compiled forward its shapes.
-    target._previous_max_cache_length = max(getattr(target, "_previous_max_cache_length", -1), capacity)
+    use_static_layers(target, cache, capacity)  # and tells generate, as its own static caches do
     return capacity
 
 
@@ -191,13 +191,14 @@ def _static_capacity(cache, generation_config, buckets: tuple[int, ...] | None) 
     return -(-needed // _CACHE_GRANULE) * _CACHE_GRANULE
 
 
-def target_runner_for(target, cache, generation_config, layer_indices: list[int], drafter=None):
+def target_runner_for(target, cache, generation_config, layer_indices: list[int], num_draft_slots: int | None = None,
+                      cost_table=None):
     """The runner for this `generate` call: `StaticTargetRunner` on a `StaticCache` (compiled when `generate` would
-    compile its own decoding steps), else `DynamicTargetRunner`. `drafter` sets the bucket lengths
-    (`verification_buckets`); without it verifications are padded to powers of two."""
+    compile its own decoding steps), else `DynamicTargetRunner`. `num_draft_slots` and `cost_table` set the bucket
+    lengths (`verification_buckets`); without them verifications are padded to powers of two."""
     if not isinstance(cache, StaticCache):
         return DynamicTargetRunner(target, cache, layer_indices)
-    buckets = verification_buckets(drafter) if drafter is not None else None
+    buckets = verification_buckets(num_draft_slots, cost_table) if num_draft_slots is not None else None
     capacity = _make_full_length(target, cache, _static_capacity(cache, generation_config, buckets))
     # Asked after the layers are in place: generate's criteria read the cache (is it compilable?).
     compiled = (target.get_compiled_call(generation_config.compile_config)

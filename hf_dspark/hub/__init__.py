@@ -4,7 +4,7 @@ Importing this package (`import hf_dspark` does) installs the hooks through whic
 writes `custom_generate/` and its `push_to_hub` uploads with a card: the models layer below never imports the hub.
 """
 
-from ..models.common import install_hub_hooks
+from ..models.hub_hooks import install_hub_hooks
 
 
 def _save_extras(folder):

@@ -48,16 +48,9 @@ import torch
 from safetensors.torch import save_file
 from transformers.utils import logging
 
-from ..models.common import (
-    BLOCK_DRAFTER_TYPE,
-    EAGLE3_DRAFTER_TYPE,
-    EMBEDDING_OUTPUT,
-    DrafterLoadError,
-    DrafterTargetMismatchError,
-    UserInputError,
-    drafter_type,
-    target_text_config,
-)
+from ..models.errors import DrafterLoadError, DrafterTargetMismatchError, UserInputError
+from ..models.identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, drafter_type
+from ..models.target_info import EMBEDDING_OUTPUT, target_text_config
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
 from ..models.formats import deepspec
@@ -134,7 +127,8 @@ def check_against_target(drafter, target, source, layout: str) -> None:
 
 def source_layout(folder: str | Path) -> str:
     """"hf_dspark", or the name of the other project's layout the drafter folder is in (`formats.layout_of`)."""
-    from ..models.formats import layout_of, read_config
+    from ..models.formats import layout_of
+    from ..models.saved_config import read_config
 
     config, _ = read_config(folder, {})
     if config.get("model_type") in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..models.common import UserInputError
+from ..models.errors import UserInputError
 from ..models.configuration_dspark import DSparkDraftConfig
 from ..models.formats.speculators import (
     _CLASS_NAMES, _HEAD_TYPES, _OURS_TO_THEIRS, _W1, _W2, WRITTEN_VERSION,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..models.common import drafter_kind
+from ..models.identity import drafter_kind
 from .convert import served_by_vllm
 
 TEMPLATE = Path(__file__).parent / "templates" / "drafter_card.md"  # package data

@@ -13,7 +13,6 @@ or after nothing is left behind: a folder is staged whole under a temporary name
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import shutil
 import tempfile
@@ -21,7 +20,9 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
-from ..models.common import UserInputError, drafter_kind
+from ..models.errors import UserInputError
+from ..models.identity import drafter_kind
+from ..models.json_files import read_json
 from .model_card import default_model_card, eval_results_table, replace_measured
 
 
@@ -34,14 +35,7 @@ def read_eval_results(results) -> dict:
     if isinstance(results, dict):
         return results
     fix = "pass the results.json that `hf-dspark eval --output DIR` wrote"
-    try:
-        results = json.loads(Path(results).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserInputError(f"eval results (--eval) {results}: no such file; {fix}.") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserInputError(f"eval results (--eval) {results} cannot be read ({error}); {fix}.") from None
-    except json.JSONDecodeError as error:
-        raise UserInputError(f"eval results (--eval) {results} is not valid JSON ({error}); {fix}.") from None
+    results = read_json(results, "eval results (--eval)", fix)
     if not isinstance(results, dict) or not {"results", "methods", "settings"} <= set(results):
         raise UserInputError(f"eval results (--eval): the file is not an `hf-dspark eval` results.json (no results, "
                              f"methods and settings); {fix}.")

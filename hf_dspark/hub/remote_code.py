@@ -7,10 +7,11 @@ This module adds the other half, a `custom_generate/` folder: then
 own verification loop.
 
 The folder holds verbatim copies of the hf_dspark modules that the decoding loop imports, with package-relative
-imports (`from ..models.common import X`) flattened to sibling imports (`from .common import X`), because
+imports (`from ..models.errors import X`) flattened to sibling imports (`from .errors import X`), because
 `transformers` loads remote code as one flat folder. Copying instead of rewriting by hand keeps a single source
 for the lossless rule (`generation/verification.py`); a test runs the folder in a process where hf_dspark cannot
-be imported.
+be imported. A copied drafter class saves and pushes through hf_dspark's hooks when hf_dspark is loaded beside it:
+its copy of `models/hub_hooks.py` looks up `hf_dspark.models.hub_hooks` in `sys.modules`.
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ The files beside this one are copies of hf_dspark {version}'s decoding loop; the
 import functools
 
 from .decoding import speculative_decoding
+from .settings import SETTING_NAMES, call_settings
 
 
 def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-            streamer=None, drafter=None, **model_kwargs):
+            streamer=None, drafter=None, passed_settings=None, **model_kwargs):
     return speculative_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                drafter=drafter, streamer=streamer, **model_kwargs)
+                                drafter=drafter, streamer=streamer,
+                                drafting_settings=call_settings(generation_config, passed_settings),
+                                **model_kwargs)
 
 
 def generate(model, *args, assistant_model=None, **kwargs):
@@ -54,8 +58,11 @@ def generate(model, *args, assistant_model=None, **kwargs):
             "(config.model_type must be one of {model_types})."
         )
     # generate() hands a callable custom_generate everything it prepared (processors, stopping criteria, cache);
-    # the drafter and the streamer travel bound to it because generate() drops both for callables.
-    decode = functools.partial(_decode, drafter=assistant_model, streamer=kwargs.get("streamer"))
+    # the drafter, the streamer and the drafting settings (num_assistant_tokens, dspark_*) travel bound to it
+    # because generate() drops the first two for callables and would refuse the others as model inputs.
+    passed = {{name: kwargs.pop(name) for name in SETTING_NAMES if name in kwargs}}
+    decode = functools.partial(_decode, drafter=assistant_model, streamer=kwargs.get("streamer"),
+                               passed_settings=passed)
     return model.generate(*args, assistant_model=assistant_model, custom_generate=decode, **kwargs)
 '''
 
@@ -82,7 +89,7 @@ def module_closure(entry: Path = ENTRY_MODULE) -> list[Path]:
 
 
 def flatten_imports(source: str) -> str:
-    """`from ..models.common import X` -> `from .common import X` (every copied module sits in one folder)."""
+    """`from ..models.errors import X` -> `from .errors import X` (every copied module sits in one folder)."""
 
     def flat(match: re.Match) -> str:
         head, dots, dotted, tail = match.groups()
@@ -94,7 +101,7 @@ def flatten_imports(source: str) -> str:
 def write_custom_generate(folder: str | Path) -> Path:
     """Write `folder/custom_generate/` (generate.py, the copied modules, requirements.txt) and return its path."""
     from .._version import __version__
-    from ..models.common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE
+    from ..models.identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE
 
     modules = module_closure()
     names = [m.name for m in modules]

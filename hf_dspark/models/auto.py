@@ -3,8 +3,10 @@ checkpoint's config.json, as transformers' Auto classes pick a model class."""
 
 from __future__ import annotations
 
-from .common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, DrafterLoadError
-from .formats import LOADER_CALL, layout_of, load_layout, read_config
+from .errors import DrafterLoadError
+from .formats import LOADER_CALL, layout_of, load_layout
+from .identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE
+from .saved_config import read_config
 
 
 class AutoDrafter:

@@ -8,14 +8,9 @@ from typing import Any, ClassVar
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .common import (
-    BLOCK_DRAFTER_TYPE,
-    CONFIDENCE_THRESHOLD_RULES,
-    QK_NORM_FAMILIES,
-    check_target_layer_ids,
-    default_target_layer_ids,
-    target_shape_fields,
-)
+from .configuration_common import CONFIDENCE_THRESHOLD_RULES, DraftPreTrainedConfig
+from .identity import BLOCK_DRAFTER_TYPE
+from .target_info import default_target_layer_ids
 
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -33,7 +28,7 @@ _PRESET_COMMON = {"num_hidden_layers": 5, "block_size": 7, "markov_head": "marko
 
 
 @strict
-class DSparkDraftConfig(PreTrainedConfig):
+class DSparkDraftConfig(DraftPreTrainedConfig):
     r"""
     Configuration of a [`DSparkDraftModel`]: a parallel drafting backbone that predicts a whole block of
     `block_size` tokens in one pass from fused target hidden states, plus an optional sequential head and an
@@ -82,19 +77,14 @@ class DSparkDraftConfig(PreTrainedConfig):
         confidence_temperatures (`list[float]`, *optional*): Sequential Temperature Scaling, one temperature per
             slot applied to the confidence logit at inference (`sigmoid(logit / T_k)`), fitted left to right on
             held-out generations by `hf_dspark.scheduling.fit_sequential_temperatures`. `None` = no scaling.
-        draft_vocab_size (`int`, *optional*): Draft over only this many target tokens (the most frequent in
-            the training answers; ids in the `draft_to_target` buffer). Drafting and the draft LM head get
-            cheaper; verification stays exact over the full vocabulary. `None` drafts over all tokens.
-        suffix_drafting (`bool`): Let generation at batch 1 also propose suffix matches over the prompt and the
-            text so far (`hf_dspark.generation.suffix`) and verify, each round, whichever of the drafter's block, the
-            suffix proposal or no draft promises the most tokens per second. Lossless either way; the drafter's
-            `suffix_drafting` attribute starts from this value and can be switched per model.
-        confidence_threshold_rule (`str`): What a static `drafter.confidence_threshold` t is compared with:
+        draft_vocab_size (`int`, *optional*), suffix_drafting (`bool`), initializer_range (`float`): As for every
+            drafter ([`DraftPreTrainedConfig`]).
+        confidence_threshold_rule (`str`): What a static `assistant_confidence_threshold` t is compared with:
             `"cumulative"` (hf_dspark's rule: drafting stops at the first slot j whose survival c_1 ... c_j is
             below t) or `"per_slot"` (DeepSpec's `--confidence-threshold`: it stops at the first slot whose own
             c_j is below t). Drafters imported from DeepSpec get `"per_slot"`, so a threshold copied from DeepSpec
             gives the same draft lengths. Both decide from c_1..c_j before x_j is drawn, so both are lossless;
-            the drafter's `confidence_threshold_rule` attribute starts from this value.
+            seeds the drafter's `generation_config.dspark_confidence_threshold_rule`.
         deepspec_fields (`dict`, *optional*): Fields of an imported DeepSpec config.json that hf_dspark does not
             use (e.g. `num_anchors`, DeepSpec's loss settings), written back unchanged by `hf-dspark convert` when
             the drafter is exported again.
@@ -111,67 +101,37 @@ class DSparkDraftConfig(PreTrainedConfig):
             q - p < sliding_window, and unless the layer is block-causal also p - q < sliding_window, as z-lab's
             DFlash measures it). `None`: every layer is full attention.
         sliding_window (`int`, *optional*): The window of the `"sliding_attention"` layers.
-        initializer_range (`float`): Std of the normal initialiser.
     """
 
     model_type = BLOCK_DRAFTER_TYPE
     required_saved_fields: ClassVar[dict[str, str]] = {
-        "rope_parameters": "The drafter's rotary embedding must be its target's, and a default would change its "
-                           "outputs: add the target's, e.g. \"rope_parameters\": {\"rope_type\": \"default\", "
-                           "\"rope_theta\": <the target's rope_theta>}.",
+        **DraftPreTrainedConfig.required_saved_fields,
         "mask_token_id": "Block slots after the anchor hold this token's embedding, and a default would change the "
                          "drafter's outputs: add the id it was trained with (from_target_config takes the target's "
                          "pad token, else its EOS).",
     }
     """config.json fields a saved drafter must have: loading refuses it without them rather than guess."""
 
-    vocab_size: int = 32000
-    hidden_size: int = 1024
-    intermediate_size: int = 2816
+    # The fields every drafter has are `DraftPreTrainedConfig`'s; DSpark's defaults for two of them, then its own.
     num_hidden_layers: int = 5
-    num_attention_heads: int = 16
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 32768
-    rope_parameters: dict | None = None
-    attention_bias: bool = False
     qk_norm: bool = True
-    block_size: int = 7
     sample_from_anchor: bool = True
-    target_layer_ids: list[int] | None = None
-    target_num_hidden_layers: int | None = None
-    target_model_type: str | None = None
     mask_token_id: int = 0
     markov_head: str | None = "markov"
     markov_rank: int = 256
     markov_w1_full_vocab: bool = False
     confidence_head: bool = True
     confidence_temperatures: list[float] | None = None
-    draft_vocab_size: int | None = None
-    suffix_drafting: bool = False
     confidence_threshold_rule: str = "cumulative"
-    deepspec_fields: dict | None = None
     final_logit_softcapping: float | None = None
     input_embedding_scale: float | None = None
     block_causal: bool | list[bool] = False
     layer_types: list[str] | None = None
     sliding_window: int | None = None
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = False
 
-    def __post_init__(self, **kwargs):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-        if self.target_layer_ids is None:
-            depth = self.target_num_hidden_layers or 2 * self.num_hidden_layers + 3
-            self.target_layer_ids = default_target_layer_ids(depth, self.num_hidden_layers)
-        super().__post_init__(**kwargs)
+    def _default_layer_ids(self) -> list[int]:
+        depth = self.target_num_hidden_layers or 2 * self.num_hidden_layers + 3
+        return default_target_layer_ids(depth, self.num_hidden_layers)
 
     def validate_architecture(self):
         if self.markov_head is not None and self.markov_head not in SEQUENTIAL_HEADS:
@@ -181,8 +141,7 @@ class DSparkDraftConfig(PreTrainedConfig):
                 f"markov_head={self.markov_head!r} needs markov_rank > 0 (got {self.markov_rank}); "
                 "set markov_head=None for a DFlash drafter"
             )
-        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in 1..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}")
+        self._check_draft_vocab_size()
         if self.block_size < 2 - self.sample_from_anchor:
             raise ValueError(f"block_size must be at least {2 - self.sample_from_anchor} (sample_from_anchor="
                              f"{self.sample_from_anchor}), got {self.block_size}")
@@ -191,9 +150,7 @@ class DSparkDraftConfig(PreTrainedConfig):
         ):
             raise ValueError(f"confidence_temperatures needs {self.num_draft_slots} positive values (one per drafted "
                              f"slot), got {self.confidence_temperatures}")
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids must name at least one target layer")
-        check_target_layer_ids(self.target_layer_ids)
+        self._check_target_layer_ids()
         if self.confidence_threshold_rule not in CONFIDENCE_THRESHOLD_RULES:
             raise ValueError(f"confidence_threshold_rule must be one of {CONFIDENCE_THRESHOLD_RULES}, got "
                              f"{self.confidence_threshold_rule!r}")
@@ -273,9 +230,7 @@ class DSparkDraftConfig(PreTrainedConfig):
         `num_hidden_layers` layers spread evenly over the target; `mask_token_id` defaults to the target's pad
         token (else its EOS token). Any field can be overridden.
         """
-        fields = target_shape_fields(target_config)
-        fields["qk_norm"] = fields["target_model_type"] in QK_NORM_FAMILIES
-        fields.update(overrides)
+        fields = cls._fields_from_target(target_config, overrides)
         num_layers = fields.setdefault("num_hidden_layers", cls.num_hidden_layers)
         if "target_layer_ids" not in overrides:
             fields["target_layer_ids"] = default_target_layer_ids(fields["target_num_hidden_layers"], num_layers)

@@ -1,10 +1,11 @@
-"""Loading a target and drafters by path or by default: the embedded SmolLM2 target and the drafters shipped for
-it as package data (`hf_dspark/checkpoints/`, found with importlib.resources, so an installed copy finds them with
-no repository beside it). Shared by the CLI, the evaluation harness and the benchmarks."""
+"""Loading a target and drafters by path, placed on a device or spread by a device_map, with the errors a user can
+fix as one line; and the drafters shipped for the embedded default target as package data (`hf_dspark/checkpoints/`,
+found with importlib.resources, so an installed copy finds them with no repository beside it). The default target
+itself, and `load_target`, which falls back to it when no path is given, are `hf_dspark.targets`'. Shared by the
+CLI, the evaluation harness and the benchmarks."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from importlib import resources
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, UserInputError, drafter_type
+from .errors import UserInputError
+from .identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, drafter_type
+from .saved_config import read_folder_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHIPPED_KINDS = ("dspark", "dflash", "eagle3")
@@ -30,13 +33,10 @@ def read_saved_config(path: str | Path, what: str) -> dict | None:
     folder = Path(path).expanduser()
     fix = f"pass the folder save_pretrained() wrote for the {what} (config.json and model.safetensors), or a Hub id"
     if folder.is_dir():
-        config = folder / "config.json"
-        if not config.is_file():
+        config = read_folder_config(folder, what)
+        if config is None:
             raise UserInputError(f"{folder} has no config.json, so it is not a saved {what}; {fix}.")
-        try:
-            return json.loads(config.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise UserInputError(f"{config} is not valid JSON ({error}); restore the {what}'s folder.") from None
+        return config
     if folder.exists():
         raise UserInputError(f"{path} is a file, not the {what}'s folder; {fix}.")
     if str(path).startswith((".", "/", "~")) or not _HUB_ID.match(str(path)) or str(path).count("/") > 1:
@@ -164,33 +164,10 @@ def placed_from_pretrained(load, path, what: str, *, device=None, device_map=Non
     return _from_pretrained(load, path, what, **kwargs).to(device)
 
 
-def load_target(path: str | None, dtype: str, device: str | torch.device | None = None, device_map=None):
-    """(model, tokenizer) of the target at ``path``, or of the embedded SmolLM2 default when ``path`` is None.
-
-    Args:
-        dtype: "float32", "bfloat16" or "float16" (a key of `DTYPES`).
-        device: where the whole model runs: "auto", "cpu", "cuda", "cuda:1", "mps", ... (see `resolve_device`);
-            None keeps transformers' default, the CPU.
-        device_map: instead of ``device``, a transformers `device_map` ("auto", or {module name: device}) that
-            spreads the target over several devices; a drafter then runs beside its LM head
-            (`DraftPreTrainedModel.attach_target`).
-    """
-    if dtype not in DTYPES:
-        raise UserInputError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
-    if path is None:
-        from .default_target import load_default_target
-
-        return load_default_target(dtype=DTYPES[dtype], device=device, device_map=device_map)
-    from transformers import AutoTokenizer
-
-    model = load_target_model(path, DTYPES[dtype], device=device, device_map=device_map)
-    return model, _from_pretrained(AutoTokenizer.from_pretrained, path, "target")
-
-
 def load_target_model(path: str | Path, dtype: torch.dtype | None = None, device=None, device_map=None):
     """The target model saved at ``path`` (a folder or a Hub id) in eval mode, without its tokenizer, from
     safetensors files inside its folder only (`safetensors_only`); ``dtype`` None keeps the saved one. A drafter
-    folder is refused before anything loads. ``device`` / ``device_map`` as in `load_target`."""
+    folder is refused before anything loads. ``device`` / ``device_map`` as in `placed_from_pretrained`."""
     from transformers import AutoModelForCausalLM
 
     config = read_saved_config(path, "target")
@@ -200,6 +177,14 @@ def load_target_model(path: str | Path, dtype: torch.dtype | None = None, device
     options = {} if dtype is None else {"dtype": dtype}
     return placed_from_pretrained(safetensors_only(AutoModelForCausalLM.from_pretrained, "target"), path, "target",
                                   device=device, device_map=device_map, **options).eval()
+
+
+def load_target_tokenizer(path: str | Path):
+    """The tokenizer saved with the target at ``path`` (a folder or a Hub id); errors a user can fix are one line
+    (see `_from_pretrained`)."""
+    from transformers import AutoTokenizer
+
+    return _from_pretrained(AutoTokenizer.from_pretrained, path, "target")
 
 
 def shipped_drafter_path(kind: str = "dspark") -> Path:
@@ -216,7 +201,7 @@ def shipped_drafter_path(kind: str = "dspark") -> Path:
 
 def load_drafter(path: str | Path, dtype: torch.dtype | None, device: str | torch.device | None = None):
     """A saved drafter in eval mode, in any layout `AutoDrafter` reads (hf_dspark's own, DeepSpec's, speculators',
-    z-lab DFlash's), on ``device`` (as in `load_target`; generation moves it beside its target's LM head anyway),
+    z-lab DFlash's), on ``device`` (see `resolve_device`; generation moves it beside its target's LM head anyway),
     in ``dtype`` (None: as saved). A folder holding another kind of model (e.g. the target itself) is refused
     before anything is loaded, and weights are read from safetensors files inside the folder only."""
     from .auto import AutoDrafter

@@ -8,17 +8,10 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from .common import (
-    DraftContextCache,
-    DraftMLP,
-    DraftPreTrainedModel,
-    DraftRMSNorm,
-    DraftRotaryEmbedding,
-    apply_rotary,
-    attend,
-    attention_scaling,
-)
 from .configuration_dspark import DSparkDraftConfig
+from .drafter_base import DraftPreTrainedModel
+from .layers import (DraftAttention, DraftContextCache, DraftMLP, DraftRMSNorm, DraftRotaryEmbedding, apply_rotary,
+                     attend)
 
 
 @dataclass
@@ -44,24 +37,12 @@ class DSparkDraftOutput(ModelOutput):
     cache: DraftContextCache | None = None
 
 
-class DSparkAttention(nn.Module):
+class DSparkAttention(DraftAttention):
     """Queries come from the block; keys and values are the projected context followed by the block itself.
     Inside the block attention is bidirectional unless the layer is block-causal (`config.layer_attention`)."""
 
     def __init__(self, config: DSparkDraftConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scaling = attention_scaling(self.head_dim)
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = DraftRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
-        self.k_norm = DraftRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
+        super().__init__(config, layer_idx, config.hidden_size)
 
     def _keys_values(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         batch, length, _ = x.shape
@@ -304,7 +285,19 @@ class DSparkDraftModel(DraftPreTrainedModel):
         for layer, mask in zip(self.layers, masks):
             hidden_states = layer(hidden_states, context, block_rope, context_rope, mask, cache)
         hidden_states = self.norm(hidden_states)
+        base_logits, logits, confidence_logits = self._head_outputs(hidden_states, previous_token_ids, logits_mask)
+        return DSparkDraftOutput(
+            logits=logits,
+            base_logits=base_logits,
+            confidence_logits=confidence_logits,
+            last_hidden_state=hidden_states,
+            cache=cache,
+        )
 
+    def _head_outputs(self, hidden_states: torch.Tensor, previous_token_ids: torch.LongTensor | None,
+                      logits_mask: torch.Tensor | None):
+        """(base logits, logits, confidence logits) of the final normed states, as `forward` returns them: the
+        sequential head and the confidence head run only under teacher forcing (`previous_token_ids` given)."""
         selected = hidden_states if logits_mask is None else hidden_states[logits_mask]
         base_logits = self.compute_logits(selected)
         logits, confidence_logits = base_logits, None
@@ -316,13 +309,7 @@ class DSparkDraftModel(DraftPreTrainedModel):
                 logits = base_logits + self.sequential_head.output(mixed).to(base_logits.dtype)
             if self.confidence_proj is not None:
                 confidence_logits = self.confidence_logit(hidden_states, previous_embedding)
-        return DSparkDraftOutput(
-            logits=logits,
-            base_logits=base_logits,
-            confidence_logits=confidence_logits,
-            last_hidden_state=hidden_states,
-            cache=cache,
-        )
+        return base_logits, logits, confidence_logits
 
     def _attention_masks(self, attention_mask, position_ids, context_position_ids, cached_position_ids, past: int):
         """Each layer's mask for a forward pass (see `layer_masks`); a plain drafter's is `attention_mask` itself."""

@@ -8,17 +8,10 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from .common import (
-    DraftContextCache,
-    DraftMLP,
-    DraftPreTrainedModel,
-    DraftRMSNorm,
-    DraftRotaryEmbedding,
-    apply_rotary,
-    attend,
-    attention_scaling,
-)
 from .configuration_eagle3 import Eagle3DraftConfig
+from .drafter_base import DraftPreTrainedModel
+from .layers import (DraftAttention, DraftContextCache, DraftMLP, DraftRMSNorm, DraftRotaryEmbedding, apply_rotary,
+                     attend)
 
 
 @dataclass
@@ -37,21 +30,8 @@ class Eagle3DraftOutput(ModelOutput):
     cache: DraftContextCache | None = None
 
 
-class Eagle3Attention(nn.Module):
-    def __init__(self, config: Eagle3DraftConfig, layer_idx: int, input_size: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scaling = attention_scaling(self.head_dim)
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = DraftRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
-        self.k_norm = DraftRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
+class Eagle3Attention(DraftAttention):
+    """Causal self-attention over the rows (context, then drafted positions); the first layer's rows are 2d wide."""
 
     def forward(self, x, rope, attention_mask, cache) -> torch.Tensor:
         batch, length, _ = x.shape

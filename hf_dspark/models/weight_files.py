@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from .common import UserInputError
+from .errors import DrafterLoadError, UserInputError
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
@@ -161,8 +161,6 @@ def check_floating_tensors(stored: dict, expected: dict, source, what: str = "ch
 
 def integer_weights_error(wrong: list[str], what: str) -> UserInputError:
     """The error for floating-point weights stored as integers; `wrong` describes each ("name (dtype) in file")."""
-    from .common import DrafterLoadError
-
     return DrafterLoadError(
         f"the {what}'s checkpoint stores floating-point weights as integers: {'; '.join(wrong[:4])}"
         f"{' ...' if len(wrong) > 4 else ''}. Quantised drafter weights are not supported (loading would cast the "
@@ -174,8 +172,6 @@ def read_checkpoint_tensors(folder, what: str, fix: str) -> dict:
     transformers would read (`checked_weight_files`: inside the folder, never a pickle). `fix` says how to get a
     readable folder when there is none."""
     from safetensors.torch import load_file
-
-    from .common import DrafterLoadError
 
     files = checked_weight_files(folder, what)
     if not files:
@@ -191,8 +187,6 @@ def check_state_fits(expected: dict, state: dict, source, what: str, fix: str, s
     """A converted checkpoint's tensors (`state`, our names) are exactly the model's (`expected`, its state_dict):
     the same names, shapes, and floating point where the model's are, else a `DrafterLoadError` naming them by the
     checkpoint's own names (`stored_name`) and `fix`. load_state_dict would cast integers silently."""
-    from .common import DrafterLoadError
-
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise DrafterLoadError(

@@ -1,11 +1,15 @@
 from .calibration import auroc, expected_calibration_error, fit_sequential_temperatures
 from .cost_table import VerificationCostTable, profile_verification_costs
 from .draft_length import DraftLengthRule, resolve_verification_policy
+from .round_planner import DraftingState, ProposalStatistics, RoundPlanner
 from .scheduler import DSparkScheduler
 
 __all__ = [
     "DSparkScheduler",
     "DraftLengthRule",
+    "DraftingState",
+    "ProposalStatistics",
+    "RoundPlanner",
     "VerificationCostTable",
     "auroc",
     "expected_calibration_error",

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.common import UserInputError
+from ..models.errors import UserInputError
+from ..models.json_files import read_json
 
 
 def _is_time(value) -> bool:
@@ -90,14 +91,7 @@ class VerificationCostTable:
     def load(cls, path: str | Path) -> "VerificationCostTable":
         """The table saved at `path`; a missing, unreadable or malformed file is a `CostTableError` naming it."""
         fix = f"write one with `hf-dspark profile --output {path}`"
-        try:
-            stored = json.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise CostTableError(f"no cost table at {path}: no such file; {fix}.") from None
-        except (OSError, UnicodeDecodeError) as error:
-            raise CostTableError(f"cannot read the cost table {path} ({error}); {fix}.") from None
-        except json.JSONDecodeError as error:
-            raise CostTableError(f"{path} is not valid JSON ({error}), so not a cost table; {fix}.") from None
+        stored = read_json(path, "cost table", fix, CostTableError)
         fields = {"seconds", "draft_seconds", "description"}
         if not isinstance(stored, dict) or "seconds" not in stored or not set(stored) <= fields \
                 or not isinstance(stored["seconds"], list) or not isinstance(stored.get("description", {}), dict):
@@ -207,7 +201,8 @@ def _synchronize(devices) -> None:
 
 
 def _drafting_round(drafter, target, prefix):
-    from ..models.common import BLOCK_DRAFTER_TYPE, DraftContextCache, drafter_type
+    from ..models.identity import BLOCK_DRAFTER_TYPE, drafter_type
+    from ..models.layers import DraftContextCache
 
     drafter.attach_target(target, follow=True)  # timed as generation runs it: beside the LM head, in its dtype
     width = len(drafter.config.target_layer_ids) * target.config.get_text_config().hidden_size

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..evaluation import BENCHMARKS, benchmark_path
-from ..models.common import UserInputError
+from ..models.errors import UserInputError
 
 _USER_ROLES = {"human", "user"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.common import DraftPreTrainedModel
+from ..models.drafter_base import DraftPreTrainedModel
 
 _COPIED = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",

@@ -11,7 +11,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..models.common import UserInputError
+from ..models.errors import UserInputError
 
 # Errors of the folder, not of the program: the user frees space, fixes permissions or picks another folder.
 _CAUSES = {errno.ENOSPC: "no space left on its disk", errno.EDQUOT: "the disk quota is exceeded",

@@ -13,7 +13,8 @@ from torch.utils.data import ConcatDataset
 from transformers import AutoConfig, TrainingArguments
 
 from ..models import DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig, Eagle3DraftModel
-from ..models.common import UserInputError, drafter_kind
+from ..models.errors import UserInputError
+from ..models.identity import drafter_kind
 from ..models.loading import read_saved_config
 from .data import Decontaminator, answer_examples, sharegpt_path
 from .init import init_context_from_target, init_layers_from_target, init_markov_head_from_bigrams
@@ -25,6 +26,8 @@ from .trainer import DSparkTrainer, RegeneratedDataset, frozen_target_states, mo
 
 
 class ExampleList(torch.utils.data.Dataset):
+    """Training examples held in memory (dicts of `input_ids` and `loss_mask`), as a map-style dataset."""
+
     def __init__(self, examples):
         self.examples = examples
 

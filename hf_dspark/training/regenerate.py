@@ -5,11 +5,13 @@ the token ids of the whole templated conversation, where every assistant turn wa
 included), `answer_spans` the `[start, end)` ranges of those answers and `prompt_length` the start of the first.
 Multi-turn sources get every later user turn answered too, each after the target's own previous answers.
 
-Decoding keeps the batch full (continuous batching): a row that finishes is replaced by the next waiting
-conversation (its next turn first) instead of idling until the longest row of a fixed batch ends, which is what
-made stock batched `generate` spend most of its time on finished rows. Prompts are admitted shortest first, so each
-admission prefills prompts of similar length. Interrupted runs resume: finished conversations are kept, and a run
-whose settings differ from the folder's manifest is refused rather than mixed in.
+Decoding runs on the batched engine without a drafter (`SpeculativeEngine(target)`: plain continuous batching),
+which keeps the batch full: a row that finishes is replaced by the next waiting conversation (its next turn first)
+instead of idling until the longest row of a fixed batch ends, which is what made stock batched `generate` spend
+most of its time on finished rows. A conversation's later turn continues on its parked cache, so only the new user
+turn is prefilled. Prompts are admitted shortest first, so each admission prefills prompts of similar length.
+Interrupted runs resume: finished conversations are kept, and a run whose settings differ from the folder's manifest
+is refused rather than mixed in.
 """
 
 from __future__ import annotations
@@ -25,11 +27,10 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
 
 from ..evaluation.prompts import chat_prompt_ids  # noqa: F401  (prompt building lives in evaluation; re-exported)
-from ..models.common import UserInputError
+from ..generation.batched import ParkedCache, SpeculativeEngine
+from ..models.errors import UserInputError
 
 MANIFEST = "manifest.json"
 
@@ -178,150 +179,7 @@ class _Conversation:
     spans: list[list[int]] = field(default_factory=list)
     turn: int = 0
     answer: list[int] = field(default_factory=list)
-    parked: list | None = None  # cache of ids[:fed] while the conversation waits for its next turn
-    fed: int = 0
-
-
-class _GrowingLayer(DynamicLayer):
-    """A cache layer whose keys/values are views of a buffer with spare columns: appending a token writes in place
-    instead of copying the whole cache with `torch.cat` every step (which cost more than the step's matmuls at
-    batch 64)."""
-
-    spare = 64
-
-    def set(self, keys: torch.Tensor, values: torch.Tensor, room: int = 0) -> None:
-        batch, heads, length, dim = keys.shape
-        self._keys = keys.new_empty(batch, heads, length + max(room, self.spare), dim)
-        self._values = values.new_empty(batch, heads, length + max(room, self.spare), dim)
-        self._keys[:, :, :length], self._values[:, :, :length] = keys, values
-        self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
-        self.device, self.is_initialized = keys.device, True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.set(key_states, value_states)
-            return self.keys, self.values
-        length, new = self.keys.shape[-2], key_states.shape[-2]
-        if length + new > self._keys.shape[-2]:
-            self.set(self.keys, self.values, room=new + self.spare)
-        self._keys[:, :, length : length + new] = key_states
-        self._values[:, :, length : length + new] = value_states
-        self.keys, self.values = self._keys[:, :, : length + new], self._values[:, :, : length + new]
-        return self.keys, self.values
-
-
-def _growing_cache(num_layers: int, tensors: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DynamicCache:
-    cache = DynamicCache()
-    Cache.__init__(cache, layers=[_GrowingLayer() for _ in range(num_layers)])
-    for layer, (keys, values) in zip(cache.layers, tensors or []):
-        layer.set(keys, values)
-    return cache
-
-
-class _Batch:
-    """The running rows: a left-padded target cache (no holes inside a row: each row's entries are its last ones),
-    its attention mask, and the token each row feeds next."""
-
-    def __init__(self, num_layers: int):
-        self.num_layers = num_layers
-        self.rows: list[_Conversation] = []
-        self.cache: DynamicCache | None = None
-        self.mask: torch.BoolTensor | None = None
-        self.next_tokens: torch.LongTensor | None = None
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def row_cache(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One row's real cache entries (its own columns only), to continue the conversation later."""
-        used = self.mask[index]
-        return [(layer.keys[index : index + 1, :, used].clone(), layer.values[index : index + 1, :, used].clone())
-                for layer in self.cache.layers]
-
-    def keep(self, keep: list[int]) -> None:
-        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self.cache = self.mask = self.next_tokens = None
-            return
-        self.mask, self.next_tokens = self.mask[index], self.next_tokens[index]
-        used = int(self.mask.any(0).float().argmax())  # first column any kept row still uses
-        self.mask = self.mask[:, used:]
-        for layer in self.cache.layers:
-            layer.set(layer.keys[index, :, used:], layer.values[index, :, used:])
-
-    def merge(self, rows: list[_Conversation], cache: DynamicCache, mask: torch.BoolTensor, next_tokens) -> None:
-        if self.cache is None:
-            self.rows, self.mask, self.next_tokens = rows, mask, next_tokens
-            self.cache = _growing_cache(self.num_layers, [(l.keys, l.values) for l in cache.layers])
-            return
-        width = max(self.mask.shape[1], mask.shape[1])
-
-        def left_pad(tensor, dim):
-            missing = width - tensor.shape[dim]
-            if missing == 0:
-                return tensor
-            shape = list(tensor.shape)
-            shape[dim] = missing
-            return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.set(torch.cat([left_pad(mine.keys, 2), left_pad(theirs.keys, 2)]),
-                     torch.cat([left_pad(mine.values, 2), left_pad(theirs.values, 2)]))
-        self.mask = torch.cat([left_pad(self.mask, 1), left_pad(mask, 1)])
-        self.next_tokens = torch.cat([self.next_tokens, next_tokens])
-        self.rows = self.rows + rows
-
-
-def _choose(logits: torch.Tensor, rows: list[_Conversation], config: RegenerationConfig) -> torch.LongTensor:
-    """Greedy rows take the argmax; sampled rows draw from temperature + top-k + top-p (applied in `generate`'s
-    order) with their own generator, so a conversation's sample does not depend on its batch neighbours."""
-    tokens = logits.argmax(-1)
-    sampled = [i for i, row in enumerate(rows) if row.sampled]
-    if sampled:
-        top = logits[sampled].float().div(config.temperature).topk(min(config.top_k or logits.shape[-1],
-                                                                       logits.shape[-1]), dim=-1)
-        probs = top.values.softmax(-1)
-        # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays).
-        outside = probs.cumsum(-1) - probs >= config.top_p
-        probs = probs.masked_fill(outside, 0.0)
-        for position, i in enumerate(sampled):
-            choice = torch.multinomial(probs[position], 1, generator=rows[i].generator)
-            tokens[i] = top.indices[position, choice[0]]
-    return tokens
-
-
-def _forward(target, input_ids, mask, positions, cache):
-    out = target(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions, cache=cache,
-                 use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1]
-
-
-def _prefill(target, rows: list[_Conversation], pad_id: int):
-    """First turns: one left-padded forward over the new prompts."""
-    width = max(len(row.ids) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for r, row in enumerate(rows):
-        input_ids[r, width - len(row.ids):] = torch.tensor(row.ids)
-        mask[r, width - len(row.ids):] = True
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=target.config)
-    device = target.device
-    logits = _forward(target, input_ids.to(device), mask.to(device), positions.to(device), cache)
-    return cache, mask.to(device), logits
-
-
-def _continue(target, row: _Conversation):
-    """A later turn: only the tokens after the parked cache (the answer's EOS and the next user turn) are run."""
-    device = target.device
-    cache = _growing_cache(len(row.parked), row.parked)
-    new = torch.tensor([row.ids[row.fed:]], device=device)
-    mask = torch.ones(1, len(row.ids), dtype=torch.bool, device=device)
-    positions = torch.arange(row.fed, len(row.ids), device=device)[None]
-    logits = _forward(target, new, mask, positions, cache)
-    row.parked = None
-    return cache, mask, logits
+    parked: ParkedCache | None = None  # the target's cache of its text while it waits for its next turn
 
 
 def _eos_ids(target, tokenizer) -> set[int]:
@@ -335,6 +193,80 @@ def _as_turns(prompt) -> list[str]:
     return [prompt] if isinstance(prompt, str) else [t for t in prompt if isinstance(t, str) and t.strip()]
 
 
+def _waiting_conversations(tokenizer, conversations: list[list[str]], done: set[int], config: RegenerationConfig,
+                           device) -> tuple[deque, int]:
+    """(the conversations still to answer, in admission order, and how many were skipped for a long prompt).
+
+    They are taken in a fixed shuffled order, `sort_window` at a time, each window shortest prompt first. A sampled
+    conversation gets its own generator, seeded from its id, so its answers do not depend on its batch neighbours."""
+    waiting = []
+    for i, turns in enumerate(conversations):
+        if i in done or not turns:
+            continue
+        messages = [{"role": "user", "content": turns[0]}]
+        ids = chat_prompt_ids(tokenizer, messages)
+        if len(ids) > config.max_prompt_tokens:
+            continue
+        sampled = is_sampled(i, config)
+        generator = torch.Generator(device).manual_seed(config.seed * 1_000_003 + i) if sampled else None
+        waiting.append(_Conversation(i, turns[: config.max_turns], sampled, generator, ids=ids, messages=messages))
+    skipped = sum(1 for i, t in enumerate(conversations) if i not in done and t) - len(waiting)
+    order = list(range(len(conversations)))
+    random.Random(config.seed).shuffle(order)
+    rank = {conversation: position for position, conversation in enumerate(order)}
+    waiting.sort(key=lambda c: rank[c.id])
+    windows = [waiting[i : i + config.sort_window] for i in range(0, len(waiting), config.sort_window)]
+    return deque(c for window in windows for c in sorted(window, key=lambda c: (len(c.ids), c.id))), skipped
+
+
+class _Turns:
+    """Closes each answered turn: continues the conversation with its next user turn, or writes it out."""
+
+    def __init__(self, tokenizer, eos_ids: set[int], config: RegenerationConfig, writer: _ShardWriter, bar):
+        self.tokenizer, self.eos_ids, self.config, self.writer, self.bar = tokenizer, eos_ids, config, writer, bar
+        self.answer_tokens = 0
+
+    def finish(self, row: _Conversation) -> bool:
+        """Close the row's current answer; True when the conversation goes on with its next user turn."""
+        self.answer_tokens += len(row.answer)
+        start = len(row.ids)
+        row.ids = row.ids + row.answer
+        row.spans.append([start, len(row.ids)])
+        ended = bool(row.answer) and row.answer[-1] in self.eos_ids
+        row.turn += 1
+        if ended and row.turn < len(row.turns):
+            following = next_turn_ids(self.tokenizer, row.messages, row.answer, self.eos_ids, row.turns[row.turn])
+            if following is not None and (len(row.ids) + len(following[0]) + self.config.max_new_tokens
+                                          <= self.config.max_conversation_tokens):
+                tail, row.messages = following
+                row.ids = row.ids + tail
+                row.answer = []
+                return True
+        self.writer.write({"id": row.id, "prompt": row.turns[0], "input_ids": row.ids,
+                           "prompt_length": row.spans[0][0], "answer_spans": row.spans, "finished": ended,
+                           "sampled": row.sampled})
+        self.bar.update(1)
+        return False
+
+
+def _admit(engine: SpeculativeEngine, queue: deque, running: dict, config: RegenerationConfig, eos: list[int]) -> None:
+    """Submit waiting conversations to fill the batch, at most every `refill_every` steps and only when enough rows
+    are free (each admission copies the cache), unless the batch is empty or the queue nearly is."""
+    free = config.batch_size - engine.num_running
+    rounds = len(engine.verified_tokens_per_round)
+    if not queue or free <= 0 or (engine.num_running and rounds % config.refill_every):
+        return
+    if free < max(1, config.batch_size // 8) and engine.num_running and len(queue) >= free:
+        return
+    for _ in range(min(free, len(queue))):
+        row = queue.popleft()
+        request = engine.submit(row.ids, config.max_new_tokens, do_sample=row.sampled, temperature=config.temperature,
+                                top_p=config.top_p, top_k=config.top_k, eos_token_id=eos, generator=row.generator,
+                                resume=row.parked, keep_cache=row.turn + 1 < len(row.turns))
+        row.parked = None
+        running[request] = row
+
+
 @torch.no_grad()
 def regenerate(target, tokenizer, prompts: list[str] | list[list[str]], output_dir: str | Path,
                config: RegenerationConfig | None = None, target_name: str = "", progress: bool = True) -> dict:
@@ -346,113 +278,37 @@ def regenerate(target, tokenizer, prompts: list[str] | list[list[str]], output_d
     conversations = [_as_turns(p) for p in prompts]
     _check_manifest(output_dir, {"target": target_name, "num_prompts": len(conversations),
                                  "prompts_sha256": _digest(conversations), **asdict(config)})
-
-    done = completed_ids(output_dir)
-    waiting = []
-    for i, turns in enumerate(conversations):
-        if i in done or not turns:
-            continue
-        messages = [{"role": "user", "content": turns[0]}]
-        ids = chat_prompt_ids(tokenizer, messages)
-        if len(ids) > config.max_prompt_tokens:
-            continue
-        sampled = is_sampled(i, config)
-        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + i) if sampled else None
-        waiting.append(_Conversation(i, turns[: config.max_turns], sampled, generator, ids=ids, messages=messages))
-    skipped = sum(1 for i, t in enumerate(conversations) if i not in done and t) - len(waiting)
-    order = list(range(len(conversations)))
-    random.Random(config.seed).shuffle(order)
-    rank = {conversation: position for position, conversation in enumerate(order)}
-    waiting.sort(key=lambda c: rank[c.id])
-    windows = [waiting[i : i + config.sort_window] for i in range(0, len(waiting), config.sort_window)]
-    queue = deque(c for window in windows for c in sorted(window, key=lambda c: (len(c.ids), c.id)))
-
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    queue, skipped = _waiting_conversations(tokenizer, conversations, completed_ids(output_dir), config,
+                                            target.device)
+    total = len(queue)
     eos_ids = _eos_ids(target, tokenizer)
-    eos_tensor = torch.tensor(sorted(eos_ids), device=target.device)
+    engine = SpeculativeEngine(target)  # no drafter: one target token per row per step
+    running: dict[int, _Conversation] = {}
     writer = _ShardWriter(output_dir, config.shard_size)
-    batch = _Batch(target.config.get_text_config().num_hidden_layers)
-    answer_tokens, steps, started = 0, 0, time.perf_counter()
-    bar = tqdm(total=len(waiting), desc="regenerating", unit="conv", disable=not progress)
-
-    def finish_turn(row: _Conversation) -> bool:
-        """Close the row's current answer; True when the conversation goes on with its next user turn."""
-        nonlocal answer_tokens
-        answer_tokens += len(row.answer)
-        start = len(row.ids)
-        row.ids = row.ids + row.answer
-        row.spans.append([start, len(row.ids)])
-        ended = bool(row.answer) and row.answer[-1] in eos_ids
-        row.turn += 1
-        if ended and row.turn < len(row.turns):
-            following = next_turn_ids(tokenizer, row.messages, row.answer, eos_ids, row.turns[row.turn])
-            if following is not None and (len(row.ids) + len(following[0]) + config.max_new_tokens
-                                          <= config.max_conversation_tokens):
-                tail, row.messages = following
-                row.ids = row.ids + tail
-                row.answer = []
-                return True
-        writer.write({"id": row.id, "prompt": row.turns[0], "input_ids": row.ids, "prompt_length": row.spans[0][0],
-                      "answer_spans": row.spans, "finished": ended, "sampled": row.sampled})
-        bar.update(1)
-        return False
-
+    bar = tqdm(total=total, desc="regenerating", unit="conv", disable=not progress)
+    turns = _Turns(tokenizer, eos_ids, config, writer, bar)
+    started = time.perf_counter()
     try:
-        while queue or len(batch):
-            free = config.batch_size - len(batch)
-            if queue and free > 0 and (len(batch) == 0 or steps % config.refill_every == 0):
-                if free >= max(1, config.batch_size // 8) or len(batch) == 0 or len(queue) < free:
-                    admitted = [queue.popleft() for _ in range(min(free, len(queue)))]
-                    fresh = [row for row in admitted if row.parked is None]
-                    parts = [_continue(target, row) + ([row],) for row in admitted if row.parked is not None]
-                    if fresh:
-                        parts.append(_prefill(target, fresh, pad_id) + (fresh,))
-                    for cache, mask, logits, rows in parts:
-                        tokens = _choose(logits, rows, config)
-                        for row, token in zip(rows, tokens.tolist()):
-                            row.answer = [token]
-                        batch.merge(rows, cache, mask, tokens)
-                    _retire(batch, eos_ids, config, finish_turn, queue)
-            if not len(batch):
-                continue
-            mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
-            positions = batch.mask.sum(1, keepdim=True)
-            logits = _forward(target, batch.next_tokens[:, None], mask, positions, batch.cache)
-            batch.mask = mask
-            tokens = _choose(logits, batch.rows, config)
-            batch.next_tokens = tokens
-            for row, token in zip(batch.rows, tokens.tolist()):
-                row.answer.append(token)
-            steps += 1
-            if bool(torch.isin(tokens, eos_tensor).any()) or any(len(r.answer) >= config.max_new_tokens
-                                                                   for r in batch.rows):
-                _retire(batch, eos_ids, config, finish_turn, queue)
-            if steps % 8 == 0:
-                bar.set_postfix(tok_per_s=f"{answer_tokens / (time.perf_counter() - started):.0f}", rows=len(batch))
+        while queue or engine.num_running:
+            _admit(engine, queue, running, config, sorted(eos_ids))
+            continuing = []
+            for request, tokens in engine.step().items():
+                row = running.pop(request)
+                row.answer = tokens[len(row.ids):].tolist()
+                parked = engine.take_parked(request) if row.turn + 1 < len(row.turns) else None
+                if turns.finish(row):  # it goes on: its next turn runs on this cache
+                    row.parked = parked
+                    continuing.append(row)
+            queue.extendleft(reversed(continuing))  # first: they finish conversations already started
+            if len(engine.verified_tokens_per_round) % 8 == 0:
+                bar.set_postfix(tok_per_s=f"{turns.answer_tokens / (time.perf_counter() - started):.0f}",
+                                rows=engine.num_running)
     finally:
         writer.close()
         bar.close()
     elapsed = time.perf_counter() - started
-    return {"prompts": len(waiting), "skipped_long_prompts": skipped, "answer_tokens": answer_tokens,
-            "seconds": elapsed, "tokens_per_second": answer_tokens / max(elapsed, 1e-9)}
-
-
-def _retire(batch: _Batch, eos_ids: set[int], config: RegenerationConfig, finish_turn, queue: deque) -> None:
-    """Remove rows whose answer ended (EOS or max_new_tokens). Conversations with a next turn go to the front of
-    `queue` (they finish conversations already started) with their cache parked, so the next turn runs only its
-    new tokens."""
-    keep, continuing = [], []
-    for index, row in enumerate(batch.rows):
-        if row.answer and (row.answer[-1] in eos_ids or len(row.answer) >= config.max_new_tokens):
-            fed = len(row.ids) + len(row.answer) - 1  # every token but the newest went through the target
-            if finish_turn(row):
-                row.parked, row.fed = batch.row_cache(index), fed
-                continuing.append(row)
-        else:
-            keep.append(index)
-    if len(keep) < len(batch):
-        batch.keep(keep)
-    queue.extendleft(reversed(continuing))
+    return {"prompts": total, "skipped_long_prompts": skipped, "answer_tokens": turns.answer_tokens,
+            "seconds": elapsed, "tokens_per_second": turns.answer_tokens / max(elapsed, 1e-9)}
 
 
 def _digest(conversations: list[list[str]]) -> str:

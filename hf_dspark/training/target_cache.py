@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from ..models.common import UserInputError
+from ..models.errors import UserInputError
 from .output_folder import OutputWriteError, write_problem
 
 MANIFEST = "manifest.json"

@@ -16,7 +16,9 @@ import torch
 from torch.utils.data import Dataset
 from transformers import Trainer
 
-from ..models.common import DraftContextCache, DraftPreTrainedModel, UserInputError
+from ..models.drafter_base import DraftPreTrainedModel
+from ..models.errors import UserInputError
+from ..models.layers import DraftContextCache
 from ..models.modeling_eagle3 import Eagle3DraftModel
 from .blocks import build_blocks, sample_anchors
 from .checkpoints import AtomicCheckpointSaves

@@ -10,13 +10,14 @@ a stock class instead (`AutoModel` maps DeepSpec's `model_type: qwen3` to a plai
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from transformers.utils import logging
 
-from ..common import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, DrafterLoadError, UserInputError
+from ..errors import DrafterLoadError, UserInputError
+from ..identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE
+from ..saved_config import install_layout_converters
 
 logger = logging.get_logger(__name__)
 
@@ -50,26 +51,6 @@ def layout_name(config) -> str | None:
         return None
     what = config.get("speculators_model_type") or ", ".join(config.get("architectures") or []) or "drafter"
     return f"{module.FORMAT} ({what})"
-
-
-def read_config(path, options: dict) -> tuple[dict, Path | None]:
-    """(config.json as a dict, the local folder it is in; None for a Hub id not downloaded here)."""
-    folder = Path(path).expanduser() / (options.get("subfolder") or "")
-    if folder.is_dir():
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            raise DrafterLoadError(f"{folder} has no config.json, so it is not a saved drafter; pass the folder "
-                                   f"save_pretrained() (or the project that made it) wrote.")
-        try:
-            return json.loads(config_file.read_text(encoding="utf-8")), folder
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise DrafterLoadError(f"{config_file} is not valid JSON ({error}); restore the drafter's folder.") \
-                from None
-    from transformers import PreTrainedConfig
-
-    hub = {k: options[k] for k in (*_HUB_OPTIONS, "subfolder") if options.get(k) is not None}
-    config, _ = PreTrainedConfig.get_config_dict(str(path), **hub)
-    return config, None
 
 
 def _local_snapshot(path, options: dict) -> Path:
@@ -120,3 +101,8 @@ def _placed(model, options: dict):
     if place is not None and place != "auto":
         model = model.to(place)
     return model.eval()
+
+
+# The drafter classes' own from_pretrained converts these layouts too, through this hook (they cannot import this
+# package, which imports them).
+install_layout_converters(layout_of=layout_of, load_layout=load_layout)

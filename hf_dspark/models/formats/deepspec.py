@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from ..common import DrafterLoadError, DrafterTargetMismatchError
+from ..errors import DrafterLoadError, DrafterTargetMismatchError
 from ..configuration_dspark import DSparkDraftConfig
 from ..configuration_eagle3 import Eagle3DraftConfig
 from ..modeling_dspark import DSparkDraftModel

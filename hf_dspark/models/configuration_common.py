@@ -1,0 +1,115 @@
+"""The fields every hf_dspark drafter config has alike (`DSparkDraftConfig`, `Eagle3DraftConfig`): the sizes and
+rotary parameters copied from the target, the target layers read, the draft vocabulary, and their defaults and
+checks. Each family's config adds its own fields and sets its own defaults on top."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+from .target_info import QK_NORM_FAMILIES, check_target_layer_ids, target_shape_fields
+
+CONFIDENCE_THRESHOLD_RULES = ("cumulative", "per_slot")
+"""How a static `assistant_confidence_threshold` t stops drafting: `"cumulative"` at the first slot j whose survival
+c_1 ... c_j < t (hf_dspark), `"per_slot"` at the first slot whose own c_j < t (DeepSpec's --confidence-threshold)."""
+
+
+
+@strict
+class DraftPreTrainedConfig(PreTrainedConfig):
+    r"""
+    The fields shared by every drafter config; the families' configs document them with their own.
+
+    Args:
+        vocab_size (`int`), hidden_size (`int`), intermediate_size (`int`), num_attention_heads (`int`),
+        num_key_value_heads (`int`), head_dim (`int`), hidden_act (`str`), rms_norm_eps (`float`),
+        max_position_embeddings (`int`), rope_parameters (`dict`): Copied from the target
+            (`from_target_config`), because the drafter shares the target's frozen embedding and LM head.
+        num_hidden_layers (`int`): Drafter depth.
+        attention_bias (`bool`): Biases on the attention projections.
+        qk_norm (`bool`): RMSNorm on queries and keys per head (Qwen3 style); `from_target_config` turns it on
+            for targets whose attention has it.
+        block_size (`int`): Tokens drafted per round (see each family for the exact count).
+        target_layer_ids (`list[int]`): Target decoder layers whose outputs the drafter reads (HF
+            `hidden_states[i + 1]`; -1 is the embedding output, `hidden_states[0]`, as in DeepSpec).
+        target_num_hidden_layers (`int`): Depth of the target the drafter was built for.
+        target_model_type (`str`): `model_type` of that target (informational).
+        draft_vocab_size (`int`, *optional*): Draft over only this many target tokens (the most frequent in
+            the training answers; ids in the `draft_to_target` buffer). Drafting and the draft LM head get
+            cheaper; verification stays exact over the full vocabulary. `None` drafts over all tokens.
+        suffix_drafting (`bool`): Let generation at batch 1 also propose suffix matches over the prompt and the
+            text so far (`hf_dspark.generation.suffix`) and verify, each round, whichever of the drafter's block, the
+            suffix proposal or no draft promises the most tokens per second. Lossless either way; seeds the
+            drafter's `generation_config.dspark_suffix_drafting`, which a `generate()` call may override.
+        deepspec_fields (`dict`, *optional*): Fields of an imported DeepSpec config.json that hf_dspark does not
+            use, written back unchanged by `hf-dspark convert` when the drafter is exported again.
+        initializer_range (`float`): Std of the normal initialiser.
+    """
+
+    required_saved_fields: ClassVar[dict[str, str]] = {
+        "rope_parameters": "The drafter's rotary embedding must be its target's, and a default would change its "
+                           "outputs: add the target's, e.g. \"rope_parameters\": {\"rope_type\": \"default\", "
+                           "\"rope_theta\": <the target's rope_theta>}.",
+    }
+    """config.json fields a saved drafter must have: loading refuses it without them rather than guess."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 2816
+    num_hidden_layers: int = 1
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    qk_norm: bool = False
+    block_size: int = 7
+    target_layer_ids: list[int] | None = None
+    target_num_hidden_layers: int | None = None
+    target_model_type: str | None = None
+    draft_vocab_size: int | None = None
+    suffix_drafting: bool = False
+    deepspec_fields: dict | None = None
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        if self.target_layer_ids is None:
+            self.target_layer_ids = self._default_layer_ids()
+        super().__post_init__(**kwargs)
+
+    def _default_layer_ids(self) -> list[int]:
+        """The target layers a config that names none reads: each family has its rule."""
+        raise NotImplementedError(f"{type(self).__name__} has no rule for default target_layer_ids")
+
+    def _check_draft_vocab_size(self) -> None:
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}")
+
+    def _check_target_layer_ids(self) -> None:
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        check_target_layer_ids(self.target_layer_ids)
+
+    @staticmethod
+    def _fields_from_target(target_config: PreTrainedConfig, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The target's shapes and rotary parameters, per-head q/k norms for families that use them, then
+        `overrides` on top: the start of every family's `from_target_config`."""
+        fields = target_shape_fields(target_config)
+        fields["qk_norm"] = fields["target_model_type"] in QK_NORM_FAMILIES
+        fields.update(overrides)
+        return fields
+
+
+__all__ = ["CONFIDENCE_THRESHOLD_RULES", "DraftPreTrainedConfig"]

@@ -1,0 +1,116 @@
+"""What a drafter reads from its target's config: the shapes it copies, the rotary parameters, which target layers
+it may read, and the check that a drafter fits a target before any token is produced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+from .errors import DrafterTargetMismatchError
+
+
+def target_text_config(target_config: PreTrainedConfig) -> PreTrainedConfig:
+    """The decoder config of a target (the text config of multimodal wrappers such as Gemma3)."""
+    return target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+
+
+def global_rope_parameters(text_config: PreTrainedConfig) -> dict[str, Any]:
+    """The rotary parameters of the target's full-attention layers.
+
+    Families with per-layer-type rope (Gemma3: ``{"full_attention": {...}, "sliding_attention": {...}}``) are
+    reduced to the full-attention entry because a drafter attends over the whole context.
+    """
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        rope = rope["full_attention"]
+    rope = dict(rope)
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", getattr(text_config, "rope_theta", 10000.0))
+    return rope
+
+
+def target_shape_fields(target_config: PreTrainedConfig) -> dict[str, Any]:
+    """Every size a drafter copies from its target so that it can share the target's embedding and LM head."""
+    text = target_text_config(target_config)
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    hidden_act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
+    return {
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
+        "head_dim": head_dim,
+        "hidden_act": hidden_act,
+        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+        "max_position_embeddings": getattr(text, "max_position_embeddings", 4096),
+        "rope_parameters": global_rope_parameters(text),
+        "target_num_hidden_layers": text.num_hidden_layers,
+        "target_model_type": text.model_type,
+    }
+
+
+EMBEDDING_OUTPUT = -1
+"""A `target_layer_ids` entry for the target's embedding output (HF `hidden_states[0]`), as in DeepSpec."""
+
+
+def check_target_layer_ids(layer_ids) -> None:
+    """Structural check of a drafter config's `target_layer_ids`: integers, each a decoder layer (>= 0) or
+    `EMBEDDING_OUTPUT` (-1). Whether they fit a given target is `check_drafter_matches_target`'s job."""
+    bad = [i for i in layer_ids if isinstance(i, bool) or not isinstance(i, int) or i < EMBEDDING_OUTPUT]
+    if bad:
+        raise ValueError(f"target_layer_ids must be decoder layer indices (0, 1, ...) or -1 for the embedding "
+                         f"output, got {bad} in {list(layer_ids)}")
+
+
+# Families whose attention normalises queries and keys per head; drafters for them do the same.
+QK_NORM_FAMILIES = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "olmo2", "olmo3"}
+
+
+def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """``count`` target layers spread evenly from layer 1 to layer L-3 (DFlash's rule; gives DeepSpec's Qwen3
+    presets [1, 9, 17, 25, 33] for 36 layers). Shallow targets get fewer, distinct layers."""
+    last_allowed = num_target_layers - 2  # HF returns the final layer only after the final norm
+    if last_allowed < 0:
+        raise ValueError(f"a target needs at least 2 decoder layers to feed a drafter, got {num_target_layers}")
+    low, high = min(1, last_allowed), max(min(1, last_allowed), num_target_layers - 3)
+    if count == 1:
+        return [(low + high) // 2]
+    ids = [round(low + (high - low) * i / (count - 1)) for i in range(count)]
+    return sorted(set(ids))
+
+
+def check_drafter_matches_target(draft_config: PreTrainedConfig, target_config: PreTrainedConfig) -> None:
+    """Raise :class:`DrafterTargetMismatchError` naming the problem and the fix when a drafter cannot serve a
+    target. Called before any token is produced."""
+    text = target_text_config(target_config)
+    name = type(draft_config).__name__
+    fix = (
+        "Use a drafter trained for this target, or build one with "
+        f"`{name}.from_target_config(target.config)` and train it."
+    )
+    if draft_config.hidden_size != text.hidden_size:
+        raise DrafterTargetMismatchError(
+            f"The drafter's hidden_size ({draft_config.hidden_size}) differs from the target's ({text.hidden_size}): "
+            f"it cannot share the target's embedding and LM head. {fix}"
+        )
+    if draft_config.vocab_size != text.vocab_size:
+        raise DrafterTargetMismatchError(
+            f"The drafter's vocab_size ({draft_config.vocab_size}) differs from the target's ({text.vocab_size}): "
+            f"they do not share a tokenizer. {fix}"
+        )
+    last_allowed = text.num_hidden_layers - 2
+    bad = [i for i in draft_config.target_layer_ids if not EMBEDDING_OUTPUT <= i <= last_allowed]
+    if bad:
+        raise DrafterTargetMismatchError(
+            f"The drafter reads target layers {bad}, but this target has {text.num_hidden_layers} layers "
+            f"(usable ids are 0..{last_allowed}, and -1 for the embedding output; the last layer is only exposed "
+            f"after the final norm). {fix}"
+        )
+    mask_id = getattr(draft_config, "mask_token_id", None)
+    if mask_id is not None and not 0 <= mask_id < text.vocab_size:
+        raise DrafterTargetMismatchError(
+            f"The drafter's mask_token_id ({mask_id}) is outside the target's vocabulary of {text.vocab_size}. {fix}"
+        )
