@@ -178,7 +178,7 @@ def _assert_same_eagle3_logits(monkeypatch, theirs, ours, steps):
     positions = torch.arange(1, ids.shape[1] + 1)[None]
     with torch.no_grad():
         step0 = ours(input_ids=ids, target_hidden_states=features, position_ids=positions).logits[0]
-        torch.testing.assert_close(step0, their_steps[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(step0, their_steps[0], rtol=1e-5, atol=1e-5)
         for row in (0, 5, ids.shape[1] - steps):  # a chain drafted on the drafter's own states, as in generation
             cache = DraftContextCache()
             out = ours(input_ids=ids[:, : row + 1], target_hidden_states=features[:, : row + 1],
@@ -186,7 +186,9 @@ def _assert_same_eagle3_logits(monkeypatch, theirs, ours, steps):
             for step in range(1, steps):
                 out = ours(input_ids=ids[:, row + step : row + step + 1], hidden_states=out.hidden_states[:, -1:],
                            position_ids=torch.tensor([[row + 1 + step]]), cache=cache)
-                torch.testing.assert_close(out.logits[0, -1], their_steps[step][row], rtol=0, atol=1e-5)
+                # Each step feeds its own state to the next: float32 rounding (which depends on the thread count)
+                # compounds along the chain, so chained steps get twice step 0's tolerance.
+                torch.testing.assert_close(out.logits[0, -1], their_steps[step][row], rtol=1e-5, atol=2e-5)
 
 
 def assert_same_logits(monkeypatch, theirs, ours):

@@ -202,6 +202,17 @@ def test_there_are_no_module_level_import_circles():
     assert found == [], " ; ".join(" <-> ".join(group) for group in found)
 
 
+def test_there_are_no_import_circles_through_lazy_imports_either():
+    """The same with every import counted, those inside functions too: a lazy import that closes a circle still
+    ties the modules together (neither can be changed or moved alone), even when it cannot fail at import time."""
+    edges = {}
+    for path in SOURCES:
+        source = module_name(path)
+        edges[source] = {existing_module(t) for t in imported_modules(path)} - {source}
+    found = circles(edges)
+    assert found == [], " ; ".join(" <-> ".join(group) for group in found)
+
+
 @pytest.mark.parametrize("optional", ["accelerate", "peft", "matplotlib"])
 def test_the_core_imports_no_optional_dependency(optional):
     """With the extra missing, the package, its generation, hub, convert, eval harness and command line import."""

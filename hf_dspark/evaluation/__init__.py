@@ -2,20 +2,9 @@
 mt-bench, alpaca, arena-hard-v2; one `{"turns": [...]}` object per line), and the evaluation harness
 (`evaluate`, behind `hf-dspark eval`)."""
 
-from pathlib import Path
+from .prompts import BENCHMARKS, EVAL_DATA_DIR, benchmark_path  # noqa: F401  (the package's API)
 
-EVAL_DATA_DIR = Path(__file__).parent / "data"
-BENCHMARKS = (
-    "gsm8k", "math500", "aime25", "humaneval", "mbpp", "livecodebench", "mt-bench", "alpaca", "arena-hard-v2",
-)
 _HARNESS = ("evaluate", "EvalSettings", "OutputMismatchError", "SettingsMismatchError")
-
-
-def benchmark_path(name: str) -> Path:
-    path = EVAL_DATA_DIR / f"{name}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"unknown benchmark {name!r}; shipped: {', '.join(BENCHMARKS)}")
-    return path
 
 
 def __getattr__(name: str):

@@ -14,10 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import BENCHMARKS, benchmark_path
-
 if TYPE_CHECKING:
     import torch
+
+EVAL_DATA_DIR = Path(__file__).parent / "data"
+BENCHMARKS = (
+    "gsm8k", "math500", "aime25", "humaneval", "mbpp", "livecodebench", "mt-bench", "alpaca", "arena-hard-v2",
+)
+
+
+def benchmark_path(name: str) -> Path:
+    path = EVAL_DATA_DIR / f"{name}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"unknown benchmark {name!r}; shipped: {', '.join(BENCHMARKS)}")
+    return path
 
 
 def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
