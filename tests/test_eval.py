@@ -304,3 +304,13 @@ def test_prompt_files_keep_unicode_line_separators_inside_strings(tmp_path):
     prompts = read_prompt_file(path)
     assert [p.turns[0] for p in prompts] == ["one\u2028two\u0085three", "four"]
     assert len(load_prompt_sets(["arena-hard-v2"])["arena-hard-v2"]) == 750
+
+
+def test_records_written_before_rounds_named_their_proposer_still_summarise():
+    from hf_dspark.evaluation.summary import _stats
+
+    old = {"stats": {"draft_lengths": [3, 0, 2], "accepted": [1, 0, 2], "confidences": [[], [], []], "seconds": {}}}
+    stats = _stats(old)
+    assert stats.sources == ["drafter", "none", "drafter"] and stats.count("drafter") == 2
+    new = {"stats": dict(old["stats"], sources=["suffix", "none", "drafter"])}
+    assert _stats(new).sources == ["suffix", "none", "drafter"]

@@ -45,8 +45,12 @@ def describe_hardware() -> str:
 
 def _stats(record: dict) -> SpeculativeStats | None:
     s = record.get("stats")
-    return None if s is None else SpeculativeStats(s["draft_lengths"], s["accepted"], s["confidences"],
-                                                   s.get("sources", []), dict(s["seconds"]))
+    if s is None:
+        return None
+    # Records written before rounds named their proposer (benchmarks/eval-v*/records.jsonl): a round that drafted
+    # was the drafter's.
+    sources = s.get("sources") or ["drafter" if d > 0 else "none" for d in s["draft_lengths"]]
+    return SpeculativeStats(s["draft_lengths"], s["accepted"], s["confidences"], sources, dict(s["seconds"]))
 
 
 def _rate(hits: list[bool]) -> dict:

@@ -28,12 +28,6 @@ class SpeculativeStats:
     parallel pass), `sequential_head` (slot-by-slot head, confidence and sampling), `drafting` (Eagle3 steps), `planning` (choosing
     the round's proposer)."""
 
-    def __post_init__(self):
-        # Records written before sources were kept (the committed benchmarks/eval-v*/records.jsonl) come back
-        # through evaluation/summary.py without them: a round that drafted was the drafter's.
-        if len(self.sources) != len(self.draft_lengths):
-            self.sources = ["drafter" if d > 0 else "none" for d in self.draft_lengths]
-
     def add_seconds(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
