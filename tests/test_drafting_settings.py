@@ -185,3 +185,46 @@ def test_setting_a_former_drafter_attribute_names_the_option_that_replaced_it():
         drafter.verification_costs = COSTS
     with pytest.raises(AttributeError, match="DraftingState"):
         drafter.proposal_statistics = None
+
+
+def test_settings_reach_a_custom_generate_callable_given_beside_assistant_model():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    (input_ids,) = prompts(1)
+    out = target.generate(input_ids, assistant_model=drafter, custom_generate=hf_dspark.custom_generate_for(drafter),
+                          max_new_tokens=16, do_sample=False, return_dict_in_generate=True, num_assistant_tokens=1,
+                          dspark_round_planning=False)
+    assert out.sequences.tolist() == target.generate(input_ids, max_new_tokens=16, do_sample=False).tolist()
+    assert max(out.speculative_stats.draft_lengths) == 1
+
+
+def test_an_engine_built_without_settings_takes_the_drafters_defaults():
+    from hf_dspark.generation import SpeculativeEngine
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    drafter.generation_config.update(num_assistant_tokens=2, assistant_confidence_threshold=0.5,
+                                     dspark_confidence_threshold_rule="per_slot")
+    engine = SpeculativeEngine(target, drafter)
+    assert (engine.policy, engine.policy_arg, engine.rule.threshold_rule, engine.gamma) == \
+        ("threshold", 0.5, "per_slot", 2)
+    explicit = SpeculativeEngine(target, drafter, "all", threshold_rule="cumulative", draft_length=3)
+    assert (explicit.policy, explicit.rule.threshold_rule, explicit.gamma) == ("all", "cumulative", 3)
+
+
+def test_a_cost_table_given_as_a_path_is_saved_as_the_table_itself(tmp_path):
+    drafter = tiny_drafter(tiny_target("llama"), "markov")
+    COSTS.save(tmp_path / "costs.json")
+    drafter.generation_config.dspark_cost_table = str(tmp_path / "costs.json")
+    drafter.save_pretrained(tmp_path / "drafter")
+    (tmp_path / "costs.json").unlink()  # the folder travels alone (push_to_hub)
+    loaded = type(drafter).from_pretrained(tmp_path / "drafter")
+    assert hf_dspark.generation.DraftingSettings.resolve(loaded).cost_table == COSTS
+
+
+def test_an_unreadable_generation_config_is_an_error_not_the_defaults(tmp_path):
+    drafter = tiny_drafter(tiny_target("llama"), "markov")
+    drafter.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(hf_dspark.DrafterLoadError, match="generation_config.json"):
+        type(drafter).from_pretrained(tmp_path)

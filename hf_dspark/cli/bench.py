@@ -48,12 +48,14 @@ def cmd_bench(args) -> int:
         report.append(line)
         print(line, flush=True)
         drafters = load_drafters(named, target, args.schedule, args.target or "smollm2-135m-instruct")
+        states = {}  # what each drafter learns carries over from one temperature to the next, as on one server
         for temperature in args.temperatures:
             title = f"{dtype}, {'greedy' if temperature == 0 else f'T={temperature:g}'}"
             print(f"== {title}", file=sys.stderr, flush=True)
             summaries = run_speed_benchmark(target, tokenizer, drafters, prompts, max_new_tokens=args.max_new_tokens,
                                             temperature=temperature, seed=args.seed,
-                                            log=lambda line: print(line, file=sys.stderr, flush=True))
+                                            log=lambda line: print(line, file=sys.stderr, flush=True),
+                                            states=states)
             raw[title] = summaries
             report.append(markdown_table(summaries, title))
             print(report[-1], flush=True)

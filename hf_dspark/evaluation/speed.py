@@ -63,11 +63,16 @@ class MethodResult:
 
 
 def run_speed_benchmark(target, tokenizer, drafters: dict, prompts: list[tuple[str, str]], *, max_new_tokens: int,
-                        temperature: float, prompt_lookup_tokens: int = 10, seed: int = 0, log=print) -> dict:
-    """`drafters` maps a label to a loaded drafter. Returns {method: summary} with plain and prompt lookup first."""
+                        temperature: float, prompt_lookup_tokens: int = 10, seed: int = 0, log=print,
+                        states: dict | None = None) -> dict:
+    """`drafters` maps a label to a loaded drafter. Returns {method: summary} with plain and prompt lookup first.
+    `states` maps a label to the `DraftingState` its rounds learn into (kept by the caller to carry it over to
+    another run); by default each drafter gets a new one, shared by the prompts of this run."""
     methods = [PLAIN, PROMPT_LOOKUP, *drafters]
     results = {m: MethodResult() for m in methods}
-    states = {label: DraftingState() for label in drafters}  # each drafter learns across the prompts
+    states = states if states is not None else {}
+    for label in drafters:
+        states.setdefault(label, DraftingState())  # each drafter learns across the prompts
     sampling = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature,
                                                                 "top_p": 1.0, "top_k": 0}
     for index, (benchmark, prompt) in enumerate(prompts):

@@ -9,16 +9,13 @@ requests' bookkeeping `engine_requests`, and transformers' cache internals `tran
 * Target: one `DynamicCache` of width W for all rows and a (R, W) validity mask, passed as the 2D attention mask
   (transformers builds the causal 4D mask from it; the causal order is the cache order, which is each row's order).
 * Drafter: one `DraftContextCache` and a (R, C) validity mask over its context rows. Each round appends, per row,
-  the target features of the entries that became valid (the context strictly before the next anchor), then runs
-  the backbone on `[anchor, MASK x (gamma-1)]` with a boolean mask allowing valid context and the whole block, and
-  the sequential head slot by slot, vectorised over rows.
+  the target features of the entries that became valid (the context before the next anchor), then runs the backbone
+  on `[anchor, MASK x (gamma-1)]` (valid context and the whole block visible) and the head slot by slot over rows.
 
-A round reads the device twice, whatever R: the verified lengths (with their confidences, for the statistics),
-which fix the verification forward's width, and the accepted counts with the emitted tokens, from which each
-request's EOS and length limit are found on the host (every row at once) and its output is extended. A round in
-which requests finish reads once more (which cache columns are still used), and a `DSparkScheduler` in
-`"two_steps_ago"` mode once more to decide whether the round drafts at all: four at most. A plain round reads once
-(the tokens), and once more when requests finish.
+A round reads the device twice, whatever R: the verified lengths (and confidences), which fix the verification's
+width, and the accepted counts with the emitted tokens (each request's EOS and length limit are found on the host).
+Finishing requests add one read (the cache columns still used), a `"two_steps_ago"` `DSparkScheduler` another: four
+at most. A plain round reads once (the tokens), and once more when requests finish.
 
 A finished request (EOS or its `max_new_tokens`) is removed from every tensor and cache, so rounds only pay for the
 requests still running. Holes also make **continuous batching** cheap (`SpeculativeEngine`): a request that
@@ -36,18 +33,19 @@ import itertools
 
 import torch
 
+from ..models.identity import BLOCK_DRAFTER_TYPE, drafter_type
 from ..models.modeling_dspark import DSparkDraftModel
 from ..scheduling.draft_length import DraftLengthRule
 from .batch_state import BatchRows, to_device
 from .drafting import Drafts, draft_block, verify_drafts
-from .engine_checks import check_drafter, check_left_padded, check_resume, check_target, checked_prompt
+from .engine_checks import (check_drafter, check_left_padded, check_resume, check_target, checked_prompt,
+                            drafter_defaults)
 from .engine_requests import BatchedOutput, EngineSnapshot, ParkedCache, Request, emit, eos_ids
 from .engine_rounds import (PlainChoice, commit_round, left_padded, plain_step, prefill, prefill_resumed,
                             project_context, read_lengths, verify_round)
 from .sampling import RowSampling, SamplingParams
 from .stats import SpeculativeStats
 
-# Re-exported: the batch-1 loop and users import them from here.
 __all__ = ["BatchedOutput", "ParkedCache", "SamplingParams", "SpeculativeEngine", "batched_speculative_generate",
            "check_left_padded"]
 
@@ -98,7 +96,8 @@ class SpeculativeEngine:
         policy, policy_arg: how many drafted slots each row verifies per round, as in
             `batched_speculative_generate`. A stateful scheduler is `reset()` whenever the batch starts empty.
         threshold_rule: what policy "threshold" compares: ``"cumulative"`` (c_1...c_j) or ``"per_slot"`` (c_j).
-        draft_length: slots drafted per round, 1..`drafter.config.num_draft_slots`; None drafts all of them.
+        draft_length: slots drafted per round, 1..`drafter.config.num_draft_slots`. Unset, these three come from
+            the drafter's `generation_config`, resolved as `generate()` resolves them (`DraftingPlan`).
         generator: random source for drafting and acceptance (sampled requests without a generator of their own).
         keep_stats: keep every request's statistics in `stats` after its output is returned (a long-running
             server would grow without bound; by default they leave with the output, see `returned_stats`).
@@ -111,17 +110,21 @@ class SpeculativeEngine:
         verified_tokens_per_round: per round, sum over running requests of k_r + 1 (the verification batch B).
     """
 
-    def __init__(self, target, drafter: DSparkDraftModel | None = None, policy: str = "all", policy_arg=None, *,
-                 threshold_rule: str = "cumulative", draft_length: int | None = None,
+    def __init__(self, target, drafter: DSparkDraftModel | None = None, policy: str | None = None, policy_arg=None, *,
+                 threshold_rule: str | None = None, draft_length: int | None = None,
                  generator: torch.Generator | None = None, keep_stats: bool = False):
         self.plain = drafter is None
         if self.plain:
-            if policy != "all" or draft_length is not None:
-                raise ValueError("an engine without a drafter verifies no drafts: leave policy='all' and "
-                                 "draft_length=None, or pass the drafter.")
+            if policy not in (None, "all") or draft_length is not None:
+                raise ValueError("an engine without a drafter verifies no drafts: leave policy and draft_length "
+                                 "unset, or pass the drafter.")
+            policy = "all"
             check_target(target)
             self.rule, self.gamma, self.layer_indices, self.feature_device = None, 0, (), None
         else:
+            if drafter_type(drafter) == BLOCK_DRAFTER_TYPE:  # anything else is refused by check_drafter
+                policy, policy_arg, threshold_rule, draft_length = drafter_defaults(
+                    drafter, policy, policy_arg, threshold_rule, draft_length)
             self.rule, self.gamma = check_drafter(target, drafter, policy, policy_arg, threshold_rule, draft_length)
             drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
             self.layer_indices, self.feature_device = drafter.target_hidden_state_indices, drafter.device

@@ -15,7 +15,8 @@ from .route_checks import (
     refuse_a_drafter_loaded_without_its_heads,
     refuse_other_decoding_methods,
 )
-from .settings import SETTING_NAMES, call_settings
+from .settings import PASSED_SETTINGS_KEY, SETTING_NAMES, call_settings
+
 
 def _check_custom_generate_request(model, drafter: DraftPreTrainedModel, generation_config) -> None:
     """What stock generate() checks before assisted decoding, which it skips for a callable custom_generate (it then
@@ -73,7 +74,9 @@ def custom_generate_for(drafter) -> Callable:
         model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, streamer=None,
         **model_kwargs,
     ):
-        passed = {name: model_kwargs.pop(name) for name in SETTING_NAMES if name in model_kwargs}
+        # With assistant_model= given too, the assistant route's wrapper has taken the settings out already.
+        passed = model_kwargs.pop(PASSED_SETTINGS_KEY, None) or {}
+        passed.update({name: model_kwargs.pop(name) for name in SETTING_NAMES if name in model_kwargs})
         raise_if_loop_unsupported(model)
         _check_custom_generate_request(model, resolved, generation_config)
         return speculative_decoding(

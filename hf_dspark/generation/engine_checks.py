@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from ..models.configuration_common import CONFIDENCE_THRESHOLD_RULES
 from ..models.identity import BLOCK_DRAFTER_TYPE, drafter_type
 from ..scheduling.draft_length import DraftLengthRule
 from .engine_requests import ParkedCache
+from .plan import DraftingPlan
 from .transformers_internals import growing_cache
-
-THRESHOLD_RULES = ("cumulative", "per_slot")
 
 _HOLE_SAFE_ATTENTION = ("sdpa", "eager")
 
@@ -41,6 +41,17 @@ def new_target_cache(target):
     return cache
 
 
+def drafter_defaults(drafter, policy, policy_arg, threshold_rule, draft_length):
+    """The engine settings not given, from the drafter's `generation_config` (the plan `generate()` would make)."""
+    if policy is not None and threshold_rule is not None and draft_length is not None:
+        return policy, policy_arg, threshold_rule, draft_length
+    plan = DraftingPlan.for_call(drafter)
+    if policy is None:
+        policy, policy_arg = plan.policy, plan.policy_arg
+    threshold_rule = threshold_rule if threshold_rule is not None else plan.settings.confidence_threshold_rule
+    return policy, policy_arg, threshold_rule, draft_length if draft_length is not None else plan.draft_length
+
+
 def check_drafter(target, drafter, policy, policy_arg, threshold_rule,
                   draft_length) -> tuple[DraftLengthRule, int]:
     """Refuse what the engine cannot run, before any work; returns the draft-length rule and the slots drafted."""
@@ -50,8 +61,8 @@ def check_drafter(target, drafter, policy, policy_arg, threshold_rule,
             f"{type(drafter).__name__}. Use target.generate(..., assistant_model=drafter) per prompt for Eagle3."
         )
     check_target(target)
-    if threshold_rule not in THRESHOLD_RULES:
-        raise ValueError(f"threshold_rule must be one of {THRESHOLD_RULES}, got {threshold_rule!r}.")
+    if threshold_rule not in CONFIDENCE_THRESHOLD_RULES:
+        raise ValueError(f"threshold_rule must be one of {CONFIDENCE_THRESHOLD_RULES}, got {threshold_rule!r}.")
     rule = DraftLengthRule(policy, policy_arg, threshold_rule)  # refuses a malformed policy
     if policy in ("threshold", "scheduler") and drafter.confidence_proj is None:
         raise ValueError(

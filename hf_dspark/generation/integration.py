@@ -9,9 +9,9 @@
   `assistant_confidence_threshold`) out of the keyword arguments and hands them to the loop.
 * `target.generate(ids, custom_generate=custom_generate_for(drafter))` (`custom_generate.py`), transformers'
   documented hook for a decoding method of one's own. It needs no private method, so it is also the way out when the
-  class-level wrappers cannot be installed. `generate` drops `assistant_model=` (and the streamer) for a callable `custom_generate`, so the drafter
-  travels bound to the callable. The callable declares every drafting setting as a parameter, which is how
-  `generate` hands a custom decoding method its own keyword arguments.
+  class-level wrappers cannot be installed. `generate` drops `assistant_model=` (and the streamer) for a callable
+  `custom_generate`, so the drafter travels bound to the callable. The callable declares every drafting setting as a
+  parameter, which is how `generate` hands a custom decoding method its own keyword arguments.
 
 Both refuse, before any token, the options a speculative loop cannot follow (`refuse_other_decoding_methods` in
 `route_checks.py`, `STATEFUL_PROCESSORS` in `sampling.py`); every other processor runs once per scored position,
@@ -44,7 +44,7 @@ from .route_checks import (  # noqa: F401  (names the routes' users and tests re
     refuse_other_decoding_methods,
     signature_drift,
 )
-from .settings import SETTING_NAMES, call_settings
+from .settings import PASSED_SETTINGS_KEY, SETTING_NAMES, call_settings
 
 # (class, method name) -> the stock method our wrapper replaced.
 _ORIGINALS: dict[tuple[type, str], Callable] = {}
@@ -92,7 +92,7 @@ def _routing_assisted_decoding(original: Callable) -> Callable:
         drafter = as_drafter(assistant_model)
         if drafter is not None:
             raise_if_loop_unsupported(self)
-            passed = model_kwargs.pop(_SETTINGS_KEY, None)
+            passed = model_kwargs.pop(PASSED_SETTINGS_KEY, None)
             return speculative_decoding(
                 self,
                 input_ids,
@@ -137,9 +137,6 @@ def _refusing_assisted_decoding(original: Callable, message: str) -> Callable:
     return _assisted_decoding
 
 
-_SETTINGS_KEY = "hf_dspark_drafting_settings"  # how the settings travel from the kwargs to the decoding method
-
-
 def _routing_extract_generation_mode_kwargs(original: Callable) -> Callable:
     def _extract_generation_mode_kwargs(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer):
         passed = {}
@@ -150,7 +147,7 @@ def _routing_extract_generation_mode_kwargs(original: Callable) -> Callable:
             passed.update({name: kwargs[name] for name in SETTING_NAMES if name in kwargs})
         found = original(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
         if passed:
-            found[_SETTINGS_KEY] = passed
+            found[PASSED_SETTINGS_KEY] = passed
         return found
 
     return _extract_generation_mode_kwargs
@@ -183,8 +180,8 @@ def hook_signature_problems(mixin: type = GenerationMixin) -> list[str]:
 
 
 def install_generate_hooks(mixin: type = GenerationMixin) -> list[str]:
-    """Wrap `mixin`'s `_assisted_decoding` and `_validate_generation_mode` once per process; returns the problems
-    found (empty when the routing wrappers are installed and the loop can run).
+    """Wrap `mixin`'s `_assisted_decoding`, `_validate_generation_mode` and `_extract_generation_mode_kwargs` once per
+    process; returns the problems found (empty when the routing wrappers are installed and the loop can run).
 
     When the installed transformers changed what the wrappers or the loop rely on, this warns once and leaves stock
     behaviour in place, with `generate(..., assistant_model=<hf_dspark drafter>)` refused with the same message.

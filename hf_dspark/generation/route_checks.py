@@ -23,6 +23,7 @@ _CUSTOM_GENERATE_FIX = (
     "target.generate(input_ids, custom_generate=hf_dspark.custom_generate_for(drafter), max_new_tokens=...)"
 )
 
+
 class TransformersCompatibilityError(UserInputError):
     """The installed `transformers` changed a private method or convention hf_dspark's generate() routes rely on."""
 

@@ -10,13 +10,14 @@ call's own keyword arguments.
 | `dspark_round_planning` | True | batch 1: pick drafter / suffix / plain step per round, from earlier rounds |
 | `dspark_cost_table` | None | a `VerificationCostTable` (or its JSON path): schedule draft lengths by throughput |
 | `dspark_learn_round_costs` | True | batch 1: price rounds with what this loop measures, the table filling gaps |
-| `dspark_verification_policy` | None | batch > 1: `"all"`, `("fixed", k)`, `("threshold", t)`, a scheduler; None derives |
+| `dspark_verification_policy` | None | `"all"`, `("fixed", k)`, `("threshold", t)`, a scheduler; None derives it |
 | `dspark_time_phases` | None | record per-phase seconds (None: on the CPU only) |
 | `dspark_state` | a new one | the `DraftingState` the call learns into (per call only, never saved) |
 
 transformers fills `num_assistant_tokens=20` and `assistant_confidence_threshold=0.4` into every call's generation
-config that does not set them; those are read only when the call passes them (a keyword argument, or a
-`generation_config` whose value differs from transformers' default).
+config that does not set them, so a call's generation config cannot tell those values from unset ones: they are read
+exactly when passed as keyword arguments, and from a `generation_config=` object (or the target's own generation
+config) only when they differ from those fills.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from ..scheduling.draft_length import POLICIES
 from ..scheduling.round_planner import DraftingState
 
 SETTING_NAMES = tuple(DRAFTING_DEFAULTS) + CALL_ONLY_SETTINGS
+PASSED_SETTINGS_KEY = "hf_dspark_drafting_settings"
+"""Under this model-input name the `assistant_model=` route hands a call's settings to the decoding method."""
 # What transformers' generate() fills into a call's generation config when neither the call nor the target sets them.
 _TRANSFORMERS_FILLS = {"num_assistant_tokens": 20, "assistant_confidence_threshold": 0.4}
 
@@ -101,8 +104,9 @@ def checked_draft_length(value, slots: int) -> int:
         return slots
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= slots:
         raise ValueError(
-            f"num_assistant_tokens must be an int from 1 to the drafter's {slots} draft slots (config.num_draft_slots), "
-            f"or None for all of them; got {value!r}. A drafter predicts only the slots it was trained for."
+            f"num_assistant_tokens must be an int from 1 to the drafter's {slots} draft slots "
+            f"(config.num_draft_slots), or None for all of them; got {value!r}. A drafter predicts only the slots it "
+            "was trained for."
         )
     return int(value)
 

@@ -122,14 +122,6 @@ def layer_tensors(layer) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.keys, layer.values
 
 
-def replace_layer_tensors(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Give `layer` these entries (copied into a buffer with room to grow, for a `GrowingLayer`)."""
-    if isinstance(layer, GrowingLayer):
-        layer.hold(keys, values)
-    else:
-        layer.keys, layer.values = keys, values
-
-
 def select_layer_entries(layer, rows: torch.LongTensor | None = None, columns: list[int] | None = None) -> None:
     """Keep the given rows (batch indices, on the device) and columns (entry indices, host ints) of `layer`; None
     keeps all."""

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from transformers import GenerationConfig
+from transformers.utils import cached_file
 
 from .errors import DrafterLoadError
 
@@ -61,6 +62,12 @@ def save_drafting_config(generation_config: GenerationConfig, folder: str | Path
     table = values.get("dspark_cost_table")
     if dataclasses.is_dataclass(table):
         values["dspark_cost_table"] = dataclasses.asdict(table)
+    elif isinstance(table, (str, Path)):  # a path would not travel with the folder (push_to_hub): keep the table
+        try:
+            values["dspark_cost_table"] = json.loads(Path(table).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"generation_config.dspark_cost_table names {table}, which cannot be read ({error}); "
+                             "profile one with `hf-dspark profile --output PATH` or unset it.") from None
     policy = values.get("dspark_verification_policy")
     if policy is not None and not isinstance(policy, (str, list, tuple)):
         raise ValueError(
@@ -75,16 +82,22 @@ def save_drafting_config(generation_config: GenerationConfig, folder: str | Path
 
 def load_drafting_config(folder: str | Path, config, subfolder: str = "", **hub_kwargs) -> GenerationConfig:
     """The drafter's saved `generation_config.json` (a local folder or a Hub id), completed with defaults; the
-    defaults alone when there is none (a folder of another layout, or written before drafters saved one)."""
-    path = Path(folder, subfolder or "") / GENERATION_CONFIG_FILE
-    if not Path(folder).is_dir():
-        try:
-            found = GenerationConfig.from_pretrained(folder, subfolder=subfolder or "", **hub_kwargs)
-        except OSError:  # no such file in the repository
+    defaults alone when there is none (a folder of another layout, or written before drafters saved one). A file that
+    exists but cannot be read or fetched is an error, not a silent fall back to the defaults."""
+    if Path(folder).is_dir():
+        path = Path(folder, subfolder or "") / GENERATION_CONFIG_FILE
+        if not path.is_file():
             return drafting_generation_config(config)
-        return with_every_drafting_field(found, config)
-    if not path.is_file():
-        return drafting_generation_config(config)
+    else:
+        try:
+            found = cached_file(str(folder), GENERATION_CONFIG_FILE, subfolder=subfolder or "",
+                                _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+        except OSError as error:
+            raise DrafterLoadError(f"the {GENERATION_CONFIG_FILE} of {folder} cannot be fetched ({error}); check the "
+                                   "connection and access to the repository, then load the drafter again.") from None
+        if found is None:
+            return drafting_generation_config(config)
+        path = Path(found)
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:

@@ -29,7 +29,7 @@ class DraftLengthRule:
             the first slot whose survival c_1...c_j, or its own c_j under the ``"per_slot"`` rule, is below
             `policy_arg`), ``"scheduler"`` (`policy_arg`, a `DSparkScheduler`, over all rows together).
         policy_arg: see `policy`.
-        threshold_rule: ``"cumulative"`` or ``"per_slot"`` (the drafter's `confidence_threshold_rule`).
+        threshold_rule: ``"cumulative"`` or ``"per_slot"`` (the `dspark_confidence_threshold_rule` setting).
     """
 
     def __init__(self, policy: str = "all", policy_arg=None, threshold_rule: str = "cumulative"):

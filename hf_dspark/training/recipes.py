@@ -61,12 +61,13 @@ def build_drafter(kind: str, target, *, num_layers: int, block_size: int, markov
 
 def _with_qk_norms(drafter):
     """The same drafter with per-head q/k RMSNorms (weights 1) in every attention layer; every other weight,
-    including the draft vocabulary, is carried over."""
+    including the draft vocabulary, and its drafting defaults are carried over."""
     config = drafter.config.__class__.from_dict({**drafter.config.to_dict(), "qk_norm": True})
     widened = drafter.__class__(config)
     missing, unexpected = widened.load_state_dict(drafter.state_dict(), strict=False)
     if unexpected or any(not name.endswith(("q_norm.weight", "k_norm.weight")) for name in missing):
         raise ValueError(f"adding q/k norms changed more than the norms: missing {missing}, unexpected {unexpected}")
+    widened.generation_config = drafter.generation_config  # the drafting defaults it was saved with
     return widened.to(drafter.dtype)
 
 

@@ -33,6 +33,9 @@ from ..generation.batched import ParkedCache, SpeculativeEngine
 from ..models.errors import UserInputError
 
 MANIFEST = "manifest.json"
+SAMPLER = "batched-engine"
+"""Which random streams sampled answers come from: a folder started by another sampler (the loop before the batched
+engine wrote none) is not resumed, so one folder never mixes two."""
 
 
 @dataclass
@@ -277,7 +280,7 @@ def regenerate(target, tokenizer, prompts: list[str] | list[list[str]], output_d
     output_dir.mkdir(parents=True, exist_ok=True)
     conversations = [_as_turns(p) for p in prompts]
     _check_manifest(output_dir, {"target": target_name, "num_prompts": len(conversations),
-                                 "prompts_sha256": _digest(conversations), **asdict(config)})
+                                 "prompts_sha256": _digest(conversations), **asdict(config), "sampler": SAMPLER})
     queue, skipped = _waiting_conversations(tokenizer, conversations, completed_ids(output_dir), config,
                                             target.device)
     total = len(queue)
