@@ -40,7 +40,6 @@ class DraftCandidateGenerator:
         logits_processor: LogitsProcessorList | None,
         generation_config: GenerationConfig,
         plan: DraftingPlan,
-        device: torch.device | None = None,
     ):
         self.drafter, self.plan = drafter, plan
         self.sampling = ProcessorSampling(logits_processor, bool(generation_config.do_sample))
@@ -51,15 +50,12 @@ class DraftCandidateGenerator:
         self.observed_length = 0  # sequence positions whose target features were taken from a target forward
         self._pending: list[torch.Tensor] = []  # features of positions context_length..observed_length
         self.stats = SpeculativeStats()
-        device = device if device is not None else next(drafter.parameters()).device
-        self.clock = PhaseClock(device, plan.settings.time_phases)
+        self.clock = PhaseClock(drafter.device, plan.settings.time_phases)
         self._round_confidences: list[float] = []
         self._round_source = NO_DRAFT
         self._watched: list[tuple[int, list[int], int]] = []  # suffix proposals not yet scored
         self.suffix = SuffixIndex() if plan.settings.suffix_drafting else None
         self.planner = plan.round_planner()
-
-    # -- our loop -------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def propose(self, input_ids: torch.LongTensor, model_outputs) -> Drafts:

@@ -49,10 +49,12 @@ def speculative_decoding(
     check_sampling_processors(logits_processor)  # the batched engine's rules, so both paths refuse alike
     check_request(target, drafter, input_ids, generation_config, model_kwargs, streamer)
     plan = DraftingPlan.for_call(drafter, drafting_settings, stopping_criteria)
-    decode = _decode_one_prompt if input_ids.shape[0] == 1 else batched_speculative_decoding
     try:
-        return decode(target, input_ids, logits_processor, stopping_criteria, generation_config, drafter, plan,
-                      streamer, **model_kwargs)
+        if input_ids.shape[0] > 1:
+            return batched_speculative_decoding(target, input_ids, logits_processor, generation_config, drafter, plan,
+                                                model_kwargs.get("attention_mask"))
+        return _decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, generation_config, drafter,
+                                  plan, streamer, **model_kwargs)
     finally:
         drafter.restore_own_precision()
 

@@ -14,7 +14,6 @@ import torch
 from transformers import (
     GenerationConfig,
     LogitsProcessorList,
-    StoppingCriteriaList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -105,27 +104,19 @@ def _batch_sampling(logits_processor: LogitsProcessorList, generation_config: Ge
 
 
 @torch.no_grad()
-def batched_speculative_decoding(
-    target,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    drafter: DraftPreTrainedModel,
-    plan: DraftingPlan,
-    streamer=None,
-    **model_kwargs,
-):
+def batched_speculative_decoding(target, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
+                                 generation_config: GenerationConfig, drafter: DraftPreTrainedModel,
+                                 plan: DraftingPlan, attention_mask: torch.Tensor | None = None):
     """`generate()` for R left-padded prompts: every row decoded by the batched engine with the plan's verification
     policy, returned as stock `generate` returns a batch: (R, P + longest output) with the prompts as given (left
     padding kept) and rows that stopped early padded on the right with `pad_token_id` (EOS when there is none).
     With `return_dict_in_generate=True` the output also holds every request's statistics (`request_stats`) and
     their merge (`speculative_stats`, also kept as `drafter.last_generation_stats`). The position ids `generate`
-    prepared are not used: the engine derives the same ones (real tokens counted from 0) from the attention mask."""
+    prepared are not used: the engine derives the same ones (real tokens counted from 0) from the attention mask.
+    The request was checked (`check_request`) and its stopping criteria read into `plan.stop_limits` already."""
     sampling = _batch_sampling(logits_processor, generation_config)
     max_new_tokens, eos = _batch_limits(plan.stop_limits, input_ids.shape[1])
-    mask = model_kwargs.get("attention_mask")
-    mask = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     check_left_padded(input_ids, mask)
 
     engine = SpeculativeEngine(target, drafter, plan.policy, plan.policy_arg,

@@ -155,8 +155,7 @@ class DraftPreTrainedModel(TargetBindingMixin, PreTrainedModel):
             )
         check_floating_weights(files, model, "drafter")  # int8 weights were cast into the floats silently
         model.generation_config = load_drafting_config(
-            pretrained_model_name_or_path, model.config, kwargs.get("subfolder") or "",
-            **{k: kwargs[k] for k in HUB_OPTIONS if k in kwargs and k != "subfolder"})
+            pretrained_model_name_or_path, model.config, **{k: kwargs[k] for k in HUB_OPTIONS if k in kwargs})
         return (model, info) if return_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -11,13 +11,13 @@ defaults, so that a drafter, built or loaded, always has every field.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from transformers import GenerationConfig
 from transformers.utils import cached_file
 
 from .errors import DrafterLoadError
+from .json_files import read_json
 
 DRAFTING_DEFAULTS = {
     "num_assistant_tokens": None,
@@ -63,11 +63,8 @@ def save_drafting_config(generation_config: GenerationConfig, folder: str | Path
     if dataclasses.is_dataclass(table):
         values["dspark_cost_table"] = dataclasses.asdict(table)
     elif isinstance(table, (str, Path)):  # a path would not travel with the folder (push_to_hub): keep the table
-        try:
-            values["dspark_cost_table"] = json.loads(Path(table).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"generation_config.dspark_cost_table names {table}, which cannot be read ({error}); "
-                             "profile one with `hf-dspark profile --output PATH` or unset it.") from None
+        values["dspark_cost_table"] = read_json(table, "generation_config.dspark_cost_table, the cost table",
+                                                "profile one with `hf-dspark profile --output PATH` or unset it")
     policy = values.get("dspark_verification_policy")
     if policy is not None and not isinstance(policy, (str, list, tuple)):
         raise ValueError(
@@ -80,29 +77,22 @@ def save_drafting_config(generation_config: GenerationConfig, folder: str | Path
     saved.save_pretrained(folder)
 
 
-def load_drafting_config(folder: str | Path, config, subfolder: str = "", **hub_kwargs) -> GenerationConfig:
-    """The drafter's saved `generation_config.json` (a local folder or a Hub id), completed with defaults; the
-    defaults alone when there is none (a folder of another layout, or written before drafters saved one). A file that
-    exists but cannot be read or fetched is an error, not a silent fall back to the defaults."""
-    if Path(folder).is_dir():
-        path = Path(folder, subfolder or "") / GENERATION_CONFIG_FILE
-        if not path.is_file():
-            return drafting_generation_config(config)
-    else:
-        try:
-            found = cached_file(str(folder), GENERATION_CONFIG_FILE, subfolder=subfolder or "",
-                                _raise_exceptions_for_missing_entries=False, **hub_kwargs)
-        except OSError as error:
-            raise DrafterLoadError(f"the {GENERATION_CONFIG_FILE} of {folder} cannot be fetched ({error}); check the "
-                                   "connection and access to the repository, then load the drafter again.") from None
-        if found is None:
-            return drafting_generation_config(config)
-        path = Path(found)
+def load_drafting_config(folder: str | Path, config, **hub_options) -> GenerationConfig:
+    """The drafter's saved `generation_config.json` (a local folder or a Hub id, with `subfolder` and the other hub
+    options of `from_pretrained`), completed with defaults; the defaults alone when there is none (a folder of another
+    layout, or written before drafters saved one). A file that exists but cannot be read or fetched is an error, not a
+    silent fall back to the defaults."""
     try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DrafterLoadError(f"{path} cannot be read ({error}); restore it from the drafter's original folder, "
-                               "or delete it to use the drafting defaults.") from None
+        found = cached_file(str(folder), GENERATION_CONFIG_FILE, _raise_exceptions_for_missing_entries=False,
+                            **hub_options)
+    except OSError as error:
+        raise DrafterLoadError(f"the {GENERATION_CONFIG_FILE} of {folder} cannot be fetched ({error}); check the "
+                               "connection and access to the repository, then load the drafter again.") from None
+    if found is None:
+        return drafting_generation_config(config)
+    saved = read_json(found, "the drafter's generation settings",
+                      "restore it from the drafter's original folder, or delete it to use the drafting defaults",
+                      DrafterLoadError)
     if not isinstance(saved, dict):
-        raise DrafterLoadError(f"{path} is not a JSON object of generation settings; restore or delete it.")
+        raise DrafterLoadError(f"{found} is not a JSON object of generation settings; restore or delete it.")
     return with_every_drafting_field(GenerationConfig.from_dict(saved), config)

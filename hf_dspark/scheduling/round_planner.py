@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..models.json_files import read_json
 from .cost_table import VerificationCostTable
 
 DRAFTER, SUFFIX, NO_DRAFT = "drafter", "suffix", "none"
@@ -248,4 +249,7 @@ class DraftingState:
 
     @classmethod
     def load(cls, path: str | Path) -> "DraftingState":
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        saved = read_json(path, "drafting state", "save one with DraftingState.save(path)")
+        if not isinstance(saved, dict):
+            raise ValueError(f"{path} is not a saved DraftingState; save one with DraftingState.save(path).")
+        return cls.from_dict(saved)
