@@ -85,9 +85,9 @@ class BatchRows:
     def __len__(self) -> int:
         return self.request.shape[0]
 
-    def select(self, keep: list[int], drop_unused_columns: bool = True) -> None:
-        """Keep the rows at host indices `keep`; by default also drop the columns no kept row uses (one host read),
-        the target cache copied once for both."""
+    def select(self, keep: list[int]) -> None:
+        """Keep the rows at host indices `keep` and drop the columns no kept row uses (one host read), the target
+        cache copied once for both."""
         self.request_ids = [self.request_ids[i] for i in keep]
         index = to_device(keep, self.anchor.device)
         for name in self._PER_ROW:
@@ -95,7 +95,7 @@ class BatchRows:
         cache = self.draft_cache
         cache.keys = [None if k is None else k.index_select(0, index) for k in cache.keys]
         cache.values = [None if v is None else v.index_select(0, index) for v in cache.values]
-        target_columns = self._drop_unused_columns() if drop_unused_columns else None
+        target_columns = self._drop_unused_columns()
         for layer in self.target_cache.layers:
             select_layer_entries(layer, index, target_columns)
 

@@ -428,8 +428,8 @@ def batched_speculative_generate(
             own c_j with `threshold_rule="per_slot"`, DeepSpec's meaning);
             ``"scheduler"``: `policy_arg.select_lengths(confidences, max_lengths)` of a `DSparkScheduler`, over all
             rows together (its `reset()` is called first). The last two need a confidence head (DSpark, not
-            DFlash). The drafter's own settings are not read here (`generate` resolves them).
-        draft_length: slots drafted per round (None: all of the drafter's).
+            DFlash). `policy` and `threshold_rule` are taken as given here, not from the drafter.
+        draft_length: slots drafted per round; None: the drafter's `num_assistant_tokens` (every slot unless set).
         generator: random source for drafting and acceptance (sampling only).
     """
     engine = SpeculativeEngine(target, drafter, policy, policy_arg, threshold_rule=threshold_rule,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from ..models.configuration_common import CONFIDENCE_THRESHOLD_RULES
 from ..models.identity import BLOCK_DRAFTER_TYPE, drafter_type
 from ..scheduling.draft_length import DraftLengthRule
 from .engine_requests import ParkedCache
@@ -61,8 +60,6 @@ def check_drafter(target, drafter, policy, policy_arg, threshold_rule,
             f"{type(drafter).__name__}. Use target.generate(..., assistant_model=drafter) per prompt for Eagle3."
         )
     check_target(target)
-    if threshold_rule not in CONFIDENCE_THRESHOLD_RULES:
-        raise ValueError(f"threshold_rule must be one of {CONFIDENCE_THRESHOLD_RULES}, got {threshold_rule!r}.")
     rule = DraftLengthRule(policy, policy_arg, threshold_rule)  # refuses a malformed policy
     if policy in ("threshold", "scheduler") and drafter.confidence_proj is None:
         raise ValueError(

@@ -77,7 +77,7 @@ def prefill_resumed(target, parked: list[ParkedCache], new_tokens: list[list[int
                     device) -> tuple[BatchRows, torch.Tensor]:
     """`prefill` for conversations continued on their parked caches: each row's parked entries (holes after the
     shorter ones), then only its new tokens, left-padded, in one forward (plain decoding only)."""
-    num_rows, width = len(parked), max(len(tokens) for tokens in new_tokens)
+    num_rows = len(parked)
     cache = new_target_cache(target)
     for index, layer in enumerate(cache.layers):
         stack_layer_rows(layer, [entries.layers[index] for entries in parked])
@@ -85,12 +85,7 @@ def prefill_resumed(target, parked: list[ParkedCache], new_tokens: list[list[int
     rows = _empty_rows(request_ids, cache, num_rows, device)
     rows.target_length = to_device(lengths, device)
     rows.target_valid = torch.arange(max(lengths), device=device)[None, :] < rows.target_length[:, None]
-    tokens = torch.zeros(num_rows, width, dtype=torch.long)
-    new_valid = torch.zeros(num_rows, width, dtype=torch.bool)
-    for row, ids in enumerate(new_tokens):
-        tokens[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        new_valid[row, width - len(ids):] = True
-    tokens, new_valid = tokens.to(device, non_blocking=True), new_valid.to(device, non_blocking=True)
+    tokens, new_valid = left_padded(new_tokens, device)
     positions = rows.target_length[:, None] + (new_valid.long().cumsum(dim=1) - 1).clamp_min(0)
     logits, _ = target_forward(target, rows, tokens, new_valid, positions, (), keep=1)
     rows.target_valid = torch.cat([rows.target_valid, new_valid], dim=1)

@@ -47,8 +47,13 @@ class GrowingLayer(DynamicLayer):
         self.value_buffer = values.new_empty(batch, heads, width, values.shape[-1])
         self.key_buffer[:, :, :length] = keys
         self.value_buffer[:, :, :length] = values
+        self.take_buffers(self.key_buffer, self.value_buffer, length)
+
+    def take_buffers(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
+        """Hold these buffers, whose first `length` columns are the entries."""
+        self.key_buffer, self.value_buffer = key_buffer, value_buffer
         self._view(length)
-        self.device, self.is_initialized = keys.device, True
+        self.device, self.is_initialized = key_buffer.device, True
 
     def hold_selected(self, rows: torch.LongTensor | None, columns: list[int] | None) -> None:
         """Keep the given rows and columns (None: all), copied once into a new buffer: the kept columns are copied
@@ -123,18 +128,9 @@ def layer_tensors(layer) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def select_layer_entries(layer, rows: torch.LongTensor | None = None, columns: list[int] | None = None) -> None:
-    """Keep the given rows (batch indices, on the device) and columns (entry indices, host ints) of `layer`; None
-    keeps all."""
-    if isinstance(layer, GrowingLayer):
-        layer.hold_selected(rows, columns)
-        return
-    keys, values = layer.keys, layer.values
-    if rows is not None:
-        keys, values = keys.index_select(0, rows), values.index_select(0, rows)
-    if columns is not None:
-        index = torch.tensor(columns, dtype=torch.long).to(keys.device, non_blocking=True)
-        keys, values = keys.index_select(2, index), values.index_select(2, index)
-    layer.keys, layer.values = keys, values
+    """Keep the given rows (batch indices, on the device) and columns (entry indices, host ints) of the engine's
+    `layer` (a `GrowingLayer`); None keeps all."""
+    layer.hold_selected(rows, columns)
 
 
 def row_entries(cache, row: int, columns: torch.LongTensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -143,13 +139,13 @@ def row_entries(cache, row: int, columns: torch.LongTensor) -> list[tuple[torch.
             for layer in cache.layers]
 
 
-def stack_layer_rows(layer, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Make `layer` the rows of `blocks` stacked in order, each padded at the end of its entries with zeros (holes)
+def stack_layer_rows(layer: GrowingLayer, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Make the engine's `layer` the rows of `blocks` stacked in order, each padded at the end of its entries with zeros (holes)
     to the widest block: one copy of each block."""
     width = max(keys.shape[2] for keys, _ in blocks)
     first_keys, first_values = blocks[0]
     rows = sum(keys.shape[0] for keys, _ in blocks)
-    spare = layer.spare if isinstance(layer, GrowingLayer) else 0
+    spare = layer.spare
     key_buffer = first_keys.new_empty(rows, first_keys.shape[1], width + spare, first_keys.shape[3])
     value_buffer = first_values.new_empty(rows, first_values.shape[1], width + spare, first_values.shape[3])
     start = 0
@@ -161,12 +157,7 @@ def stack_layer_rows(layer, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> 
         key_buffer[start:end, :, keys.shape[2] : width] = 0
         value_buffer[start:end, :, values.shape[2] : width] = 0
         start = end
-    if isinstance(layer, GrowingLayer):
-        layer.key_buffer, layer.value_buffer = key_buffer, value_buffer
-        layer._view(width)
-        layer.device, layer.is_initialized = key_buffer.device, True
-    else:
-        layer.keys, layer.values = key_buffer, value_buffer
+    layer.take_buffers(key_buffer, value_buffer, width)
 
 
 def snapshot_layers(cache) -> list[dict]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.configuration_common import CONFIDENCE_THRESHOLD_RULES
 from .scheduler import DSparkScheduler
 
 POLICIES = ("all", "fixed", "threshold", "scheduler")
@@ -43,6 +44,8 @@ class DraftLengthRule:
             )
         if policy == "scheduler" and not hasattr(policy_arg, "select_lengths"):
             raise ValueError("policy 'scheduler' takes a hf_dspark.scheduling.DSparkScheduler as policy_arg.")
+        if threshold_rule not in CONFIDENCE_THRESHOLD_RULES:
+            raise ValueError(f"threshold_rule must be one of {CONFIDENCE_THRESHOLD_RULES}, got {threshold_rule!r}.")
         self.policy, self.policy_arg, self.threshold_rule = policy, policy_arg, threshold_rule
 
     def max_slots(self, gamma: int) -> int:

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from ..evaluation.prompts import chat_prompt_ids  # noqa: F401  (prompt building lives in evaluation; re-exported)
 from ..generation.batched import ParkedCache, SpeculativeEngine
+from ..generation.engine_requests import eos_ids as target_eos_ids
 from ..models.errors import UserInputError
 
 MANIFEST = "manifest.json"
@@ -185,13 +186,6 @@ class _Conversation:
     parked: ParkedCache | None = None  # the target's cache of its text while it waits for its next turn
 
 
-def _eos_ids(target, tokenizer) -> set[int]:
-    eos = target.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    eos.add(tokenizer.eos_token_id)
-    return eos - {None}
-
-
 def _as_turns(prompt) -> list[str]:
     return [prompt] if isinstance(prompt, str) else [t for t in prompt if isinstance(t, str) and t.strip()]
 
@@ -284,7 +278,8 @@ def regenerate(target, tokenizer, prompts: list[str] | list[list[str]], output_d
     queue, skipped = _waiting_conversations(tokenizer, conversations, completed_ids(output_dir), config,
                                             target.device)
     total = len(queue)
-    eos_ids = _eos_ids(target, tokenizer)
+    eos_ids = (target_eos_ids(target, None) | {tokenizer.eos_token_id}) - {None}  # the target's and the chat's
+    eos_list = sorted(eos_ids)
     engine = SpeculativeEngine(target)  # no drafter: one target token per row per step
     running: dict[int, _Conversation] = {}
     writer = _ShardWriter(output_dir, config.shard_size)
@@ -293,7 +288,7 @@ def regenerate(target, tokenizer, prompts: list[str] | list[list[str]], output_d
     started = time.perf_counter()
     try:
         while queue or engine.num_running:
-            _admit(engine, queue, running, config, sorted(eos_ids))
+            _admit(engine, queue, running, config, eos_list)
             continuing = []
             for request, tokens in engine.step().items():
                 row = running.pop(request)
