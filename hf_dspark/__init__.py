@@ -11,7 +11,8 @@ from transformers import AutoConfig, AutoModel
 from . import hub  # noqa: F401  (installs the save/push hooks of the drafters)
 from . import models
 from ._version import __version__
-from .generation import SpeculativeDecoderOnlyOutput, SpeculativeStats, greedy_verify, rejection_sample
+from .generation import (SpeculativeDecoderOnlyOutput, SpeculativeEngine, SpeculativeStats, greedy_verify,
+                         rejection_sample)
 from .generation.custom_generate import custom_generate_for
 from .generation.integration import install_generate_hooks
 from .models import *  # noqa: F401,F403  (the drafter API, `hf_dspark.models.__all__`, is the package's too)
@@ -40,6 +41,7 @@ __all__ = [
     *models.__all__,
     "DSparkScheduler",
     "SpeculativeDecoderOnlyOutput",
+    "SpeculativeEngine",
     "SpeculativeStats",
     "VerificationCostTable",
     "DraftingState",

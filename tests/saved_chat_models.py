@@ -17,3 +17,23 @@ def save_chat_target_and_drafters(folder, tokenizer, drafters: dict[str, str]):
         drafter.set_draft_vocab(torch.arange(512))
         drafter.save_pretrained(folder / subfolder)
     return folder
+
+
+def default_tokenizer():
+    """SmolLM2's tokenizer from the embedded target's cached copy (materialised once)."""
+    from transformers import AutoTokenizer
+
+    from hf_dspark.targets.default_target import default_target_dir, load_default_target
+
+    if not (default_target_dir() / "tokenizer.json").is_file():
+        load_default_target()
+    return AutoTokenizer.from_pretrained(default_target_dir())
+
+
+def save_chat_target(folder):
+    """A tiny chat target with SmolLM2's tokenizer saved in `folder`; returns the target."""
+    tokenizer = default_tokenizer()
+    target = tiny_chat_target(tokenizer)
+    target.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return target

@@ -84,6 +84,7 @@ def test_a_drafter_loaded_by_a_stock_class_is_refused_by_generate_naming_the_loa
         assert "zlab_dflash" in message and f"hf_dspark.AutoDrafter.from_pretrained({str(zlab)!r})" in message
 
 
+@pytest.mark.slow  # the real SmolLM2 target
 def test_the_command_line_takes_every_layout(tmp_path, capsys):
     """`hf-dspark generate --drafter` with a z-lab DFlash drafter (z-lab's own class, SmolLM2's shapes, one layer)
     on the embedded SmolLM2 target: it loads with no convert step and the output is identical to plain greedy."""

@@ -296,21 +296,10 @@ def test_a_sharded_drafter_with_its_shards_inside_the_folder_loads(tmp_path):
 
 
 def test_the_cli_refuses_a_bad_drafter_index_in_one_line(tmp_path, capsys, unpickled):
-    from transformers import AutoTokenizer
-
     from hf_dspark.cli.main import main
-    from hf_dspark.targets.default_target import default_target_dir
+    from saved_chat_models import save_chat_target
 
-    from test_regeneration import tiny_chat_target
-
-    if not (default_target_dir() / "tokenizer.json").is_file():
-        from hf_dspark.targets.default_target import load_default_target
-
-        load_default_target()
-    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
-    target = tiny_chat_target(tokenizer)
-    target.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
+    target = save_chat_target(tmp_path / "target")
     folder = tmp_path / "drafter"
     tiny_drafter(target, "markov", block_size=4).save_pretrained(folder)
     entry, marker = _with_bad_index(folder, "weights.bin")

@@ -160,6 +160,7 @@ def test_greedy_rows_stop_at_eos(monkeypatch, oracle):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a sampling-distribution test
 def test_batched_sampling_matches_target_distribution():
     target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None, bos_token_id=None)
     drafter = tiny_drafter(target, "markov", block_size=3)

@@ -17,6 +17,8 @@ from hf_dspark.targets import default_target
 from hf_dspark.targets.default_target import default_target_dir, load_default_target
 from hf_dspark.training.regenerate import chat_prompt_ids
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 target (the fast lane leaves it out: README)
+
 SHIPPED = hf_dspark.shipped_drafter_path("dspark")
 
 

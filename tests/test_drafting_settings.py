@@ -228,3 +228,41 @@ def test_an_unreadable_generation_config_is_an_error_not_the_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(hf_dspark.DrafterLoadError, match="generation_config.json"):
         type(drafter).from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+@pytest.mark.parametrize("policy", [("threshold", 0.5), "scheduler-object"])
+def test_a_confidence_policy_without_a_confidence_head_is_refused_alike_at_every_batch_size(kind, policy):
+    """It was verifying every slot at batch 1 (the rule had no confidences to read) and refused at R > 1."""
+    from test_batched import left_pad
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, kind, block_size=4)
+    if policy == "scheduler-object":
+        policy = hf_dspark.DSparkScheduler(VerificationCostTable([1e-3] * 5))
+    forwards = []
+    target.register_forward_hook(lambda *args: forwards.append(1))
+    one = prompts(1)[0]
+    ids, mask = left_pad(prompts(2, length=5) + prompts(1, length=7, seed=9))
+    calls = [lambda: target.generate(one, assistant_model=drafter, max_new_tokens=6,
+                                     dspark_verification_policy=policy)]
+    if kind == "dflash":  # the engine refuses Eagle3 batches whatever the policy (before any forward too)
+        calls.append(lambda: target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=6,
+                                             dspark_verification_policy=policy))
+    for call in calls:
+        with pytest.raises(hf_dspark.UserInputError, match="dspark_verification_policy.*no confidence head"):
+            call()
+    assert forwards == []
+
+
+def test_a_fixed_policy_bounds_eagle3_chains_and_stays_exact():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "eagle3", block_size=4)
+    for ids in prompts(3):
+        expected = target.generate(ids, do_sample=False, max_new_tokens=16)
+        for k in (0, 1, 2):
+            out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16,
+                                  dspark_verification_policy=("fixed", k), dspark_suffix_drafting=False)
+            assert torch.equal(out, expected)
+            lengths = drafter.last_generation_stats.draft_lengths
+            assert max(lengths) == k, (k, lengths)

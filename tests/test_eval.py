@@ -110,12 +110,17 @@ def test_prompt_files_of_every_kind(tmp_path):
         load_prompt_sets(["no-such-set"])
 
 
+# Code that must pass gets a hang guard, not run_tests' 10 s default: a loaded machine may take longer to start
+# Python, and a verdict must not depend on that (code that must fail fails either way).
+PASSING_CODE_GUARD = 300.0
+
+
 def test_code_execution_passes_fails_and_times_out():
     solution = "```python\ndef add(a, b):\n    return a + b\n```"
-    assert run_tests(solution, ["assert add(2, 3) == 5"])
+    assert run_tests(solution, ["assert add(2, 3) == 5"], timeout=PASSING_CODE_GUARD)
     assert not run_tests(solution, ["assert add(2, 3) == 6"])
     humaneval_style = ["def check(candidate):\n    assert candidate(1, 1) == 2"]
-    assert run_tests(solution, humaneval_style, entry_point="add")
+    assert run_tests(solution, humaneval_style, entry_point="add", timeout=PASSING_CODE_GUARD)
     assert not run_tests("def add(a, b):\n    while True: pass", ["add(1, 2)"], timeout=1.0)
 
 
@@ -269,7 +274,7 @@ def test_shipped_humaneval_prompts_carry_their_unit_tests():
     right = ("```python\ndef has_close_elements(numbers, threshold):\n    return any(abs(a - b) < threshold "
              "for i, a in enumerate(numbers) for j, b in enumerate(numbers) if i != j)\n```")
     wrong = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
-    assert run_tests(right, first.tests, first.entry_point)
+    assert run_tests(right, first.tests, first.entry_point, timeout=PASSING_CODE_GUARD)
     assert not run_tests(wrong, first.tests, first.entry_point)
 
 
@@ -290,7 +295,7 @@ def test_shipped_math_sets_carry_reference_answers_and_mbpp_its_tests():
     assert asserts and all(isinstance(a, ast.Assert) and a.msg is None for a in asserts)
     right = ("```python\ndef remove_Occ(s, ch):\n    first = s.find(ch)\n    if first < 0:\n        return s\n"
              "    s = s[:first] + s[first + 1:]\n    last = s.rfind(ch)\n    return s if last < 0 else s[:last] + s[last + 1:]\n```")
-    assert run_tests(right, mbpp.tests)
+    assert run_tests(right, mbpp.tests, timeout=PASSING_CODE_GUARD)
     assert not run_tests(right.replace("s[last + 1:]", "s[last:]"), mbpp.tests)
 
 

@@ -141,6 +141,7 @@ def test_shipped_folders_hold_no_code():
         assert "auto_map" not in json.loads((folder / "config.json").read_text())
 
 
+@pytest.mark.slow  # the real SmolLM2 target
 def test_shipped_drafter_runs_on_stock_transformers(tmp_path):
     """The real default target and the shipped DSpark drafter, saved by hf_dspark and then run with hf_dspark
     absent: accepted drafts, same text."""

@@ -230,6 +230,27 @@ def test_custom_generate_refuses_what_assisted_generation_refuses():
         other.generate(ids, custom_generate=decode, do_sample=False, max_new_tokens=4)
 
 
+def outcome(call) -> tuple:
+    """What a generate() call did: ("tokens", ids) or ("raised", exception type, message)."""
+    try:
+        return "tokens", call().tolist()
+    except Exception as error:  # noqa: BLE001  (compared, not handled)
+        return "raised", type(error).__name__, str(error)
+
+
+def with_and_without_hf_dspark(monkeypatch, call) -> tuple[tuple, tuple]:
+    """(`call`'s outcome with `import hf_dspark`'s generate() wrappers bypassed, i.e. stock transformers, and its
+    outcome with them). A test about stock behaviour holds the wrappers to changing nothing, and blames
+    transformers only for what it does on its own."""
+    with monkeypatch.context() as patched:
+        for name in integration._ROUTING_WRAPPERS:
+            patched.setattr(GenerationMixin, name, stock(name))
+        assert all(getattr(GenerationMixin, name) is stock(name) for name in integration._ROUTING_WRAPPERS)
+        stock_outcome = outcome(call)
+    assert all(getattr(GenerationMixin, name) is not stock(name) for name in integration._ROUTING_WRAPPERS)
+    return stock_outcome, outcome(call)
+
+
 def test_other_assistants_run_stock_transformers_code(monkeypatch):
     def not_ours(*args, **kwargs):
         raise AssertionError("a generate() call without an hf_dspark drafter reached hf_dspark's loop")
@@ -246,11 +267,18 @@ def test_other_assistants_run_stock_transformers_code(monkeypatch):
     target = tiny_target("llama")
     ids = prompts(1)[0]
     plain = target.generate(ids, do_sample=False, max_new_tokens=MAX_NEW)
-    assisted = target.generate(ids, assistant_model=tiny_target("llama", seed=5), do_sample=False,
-                               max_new_tokens=MAX_NEW)
-    lookup = target.generate(ids, prompt_lookup_num_tokens=3, do_sample=False, max_new_tokens=MAX_NEW)
-    assert torch.equal(assisted, plain) and torch.equal(lookup, plain)
-    assert built == ["AssistedCandidateGenerator", "PromptLookupCandidateGenerator"]
+    assistant = tiny_target("llama", seed=5)
+    calls = {"assisted": ("AssistedCandidateGenerator", lambda: target.generate(
+                 ids, assistant_model=assistant, do_sample=False, max_new_tokens=MAX_NEW)),
+             "prompt lookup": ("PromptLookupCandidateGenerator", lambda: target.generate(
+                 ids, prompt_lookup_num_tokens=3, do_sample=False, max_new_tokens=MAX_NEW))}
+    for name, (generator, call) in calls.items():
+        stock_outcome, hooked = with_and_without_hf_dspark(monkeypatch, call)
+        assert built[-2:] == [generator] * 2, built  # stock code built its candidate generator, both times
+        assert hooked == stock_outcome, name  # and the wrappers change nothing
+        if stock_outcome != ("tokens", plain.tolist()):
+            pytest.skip(f"transformers {transformers.__version__} itself: stock greedy {name} decoding of a tiny "
+                        f"Llama gives {stock_outcome[:2]}, not plain greedy's tokens, with or without hf_dspark")
 
 
 def tiny_bart(seed: int):
@@ -262,12 +290,29 @@ def tiny_bart(seed: int):
     return BartForConditionalGeneration(config).eval()
 
 
-def test_stock_encoder_decoder_assisted_decoding_still_gets_inputs_tensor():
+def test_stock_encoder_decoder_assisted_decoding_still_gets_inputs_tensor(monkeypatch):
     """The stock method runs the assistant's encoder on `inputs_tensor`, which generate() passes only to a decoding
-    method whose signature lists it: the wrapper's must."""
+    method whose signature lists it: the wrapper's must. Compared with the wrappers bypassed: the same encoder
+    input reaches the stock candidate generator and the call ends the same way (tokens, or the same error)."""
     target, assistant = tiny_bart(0), tiny_bart(5)
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     plain = target.generate(ids, do_sample=False, max_new_tokens=MAX_NEW)
     assert len(set(plain[0].tolist())) > 2  # a real continuation, not one repeated token
-    assisted = target.generate(ids, assistant_model=assistant, do_sample=False, max_new_tokens=MAX_NEW)
-    assert torch.equal(assisted, plain)
+    encoder_inputs = []
+    stock_generator = GenerationMixin._get_candidate_generator
+
+    def spy(self, *args, **kwargs):
+        encoder_inputs.append(kwargs["inputs_tensor"])
+        return stock_generator(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
+    call = lambda: target.generate(ids, assistant_model=assistant, do_sample=False, max_new_tokens=MAX_NEW)  # noqa: E731
+    stock_outcome, hooked = with_and_without_hf_dspark(monkeypatch, call)
+    assert len(encoder_inputs) == 2 and all(given is not None and torch.equal(given, ids)
+                                            for given in encoder_inputs)
+    assert hooked == stock_outcome  # the wrapper changes nothing, a failure of transformers' own included
+    if stock_outcome[0] == "raised":
+        pytest.skip(f"transformers {transformers.__version__} itself fails stock assisted decoding with a tiny BART "
+                    f"assistant, with or without hf_dspark: {stock_outcome[1]}: {stock_outcome[2]} (in 5.25.0 the "
+                    "assistant's prefill indexes past BartLearnedPositionalEmbedding's table)")
+    assert stock_outcome == ("tokens", plain.tolist())

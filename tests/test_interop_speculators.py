@@ -17,6 +17,10 @@ from hf_dspark.models.layers import DraftContextCache
 from hf_dspark.models.formats import speculators as layout
 from conftest import prompts, tiny_drafter, tiny_target
 
+# Their models still pass `past_key_values`, which transformers 5.24+ deprecates (pyproject.toml makes the warning an
+# error for hf_dspark's own code).
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+
 try:
     import speculators
     import speculators.models.dflash.core as dflash_core

@@ -63,6 +63,7 @@ def _records(folder):
                   key=lambda r: r["id"])
 
 
+@pytest.mark.slow  # the real SmolLM2 target
 def test_continuous_batching_gives_each_prompt_its_plain_greedy_answer(tmp_path, smollm2):
     """Rows end at different steps (EOS or the length limit) and are refilled with waiting prompts; every greedy
     answer is still the one plain `generate` writes for that prompt alone."""
@@ -88,6 +89,7 @@ def test_continuous_batching_gives_each_prompt_its_plain_greedy_answer(tmp_path,
     assert stats["answer_tokens"] == sum(r["answer_spans"][0][1] - r["answer_spans"][0][0] for r in records)
 
 
+@pytest.mark.slow  # the real SmolLM2 target
 def test_later_turns_are_answered_after_the_targets_own_answers(tmp_path, smollm2):
     target, tokenizer = smollm2
     conversations = [["Say only the word yes.", "Now say only the word no."],

@@ -119,6 +119,7 @@ def assert_matches(counts: torch.Tensor, probs: torch.Tensor, biased: torch.Tens
 
 @pytest.mark.parametrize("kind", ["markov", "eagle3", "markov-scheduled", "markov-suffix", "eagle3-suffix",
                                   "markov-slot0unused"])
+@pytest.mark.slow  # a sampling-distribution test
 def test_generate_sampling_matches_target_distribution(kind, device):
     target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None,
                          bos_token_id=None).to(device)

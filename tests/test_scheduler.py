@@ -181,6 +181,7 @@ def test_two_steps_ago_first_rounds_fall_back_and_reset_forgets():
         DSparkScheduler(table, mode="one_step_ago")
 
 
+@pytest.mark.slow  # a sampling-distribution test
 def test_two_steps_ago_batched_sampling_matches_target_distribution():
     """The batched engine with the stored-budget scheduler keeps the target's distribution.
 

@@ -154,27 +154,46 @@ def test_planner_prices_rounds_with_the_costs_measured_in_the_loop():
     assert table_only.statistics.forward_seconds == {} and table_only.draft_seconds() == pytest.approx(0.01)
 
 
-def test_a_drafter_slower_than_its_table_says_is_skipped_and_output_stays_exact():
-    """A table that underprices drafting (profiled elsewhere) would draft every round; timed in the loop, the
-    drafter's real cost (here slowed on purpose to 40 ms a pass, beside sub-millisecond target forwards) turns
-    most rounds into plain steps or suffix proposals, and greedy output is unchanged either way."""
-    import time
+class SimulatedClock:
+    """The loop's clock (`PhaseClock` reads `time.perf_counter`), advanced only by the forwards themselves: the
+    rounds' costs are what the test says, whatever the machine's speed or load."""
 
+    def __init__(self):
+        self.seconds = 0.0
+
+    def perf_counter(self) -> float:
+        return self.seconds
+
+    def costs(self, seconds: float):
+        def advance(*args):
+            self.seconds += seconds
+
+        return advance
+
+
+def test_a_drafter_slower_than_its_table_says_is_skipped_and_output_stays_exact(monkeypatch):
+    """A table that underprices drafting (profiled elsewhere) would draft every round; timed in the loop, the
+    drafter's real cost (here 40 ms a pass on the loop's clock, beside 1 ms target forwards) turns most rounds into
+    plain steps or suffix proposals, and greedy output is unchanged either way."""
+    from hf_dspark.generation import stats as stats_module
+
+    clock = SimulatedClock()
+    monkeypatch.setattr(stats_module, "time", clock)
     target = looping_target()
+    target.register_forward_hook(clock.costs(1e-3))
     sources = {}
     for learn in (False, True):
         drafter = tiny_drafter(target, "markov", block_size=4)
         drafter.generation_config.update(dspark_suffix_drafting=False, dspark_learn_round_costs=learn,
                                          dspark_cost_table=VerificationCostTable([1e-3] * 5, draft_seconds=0.0))
         state = DraftingState()  # measured costs carry from the first prompt to the second
-        hook = drafter.register_forward_hook(lambda *args: time.sleep(0.04))
+        drafter.register_forward_hook(clock.costs(0.04))
         sources[learn] = []
         for ids in prompts(2):
             expected = target.generate(ids, do_sample=False, max_new_tokens=32)
             assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=32,
                                                dspark_state=state), expected)
             sources[learn] += drafter.last_generation_stats.sources
-        hook.remove()
         if learn:
             measured = state.statistics
             assert measured.draft_seconds >= 0.04 and set(measured.forward_seconds) <= set(range(1, 6))

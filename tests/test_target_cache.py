@@ -38,6 +38,7 @@ def test_cached_loss_equals_online_loss(tmp_path, kind):
     assert losses[0] == pytest.approx(losses[1], rel=2e-2), losses
 
 
+@pytest.mark.slow  # a training run
 def test_training_from_cache_needs_no_target_and_raises_acceptance(tmp_path):
     target = tiny_target("llama")
     examples = target_generated_examples(target)

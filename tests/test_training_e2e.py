@@ -1,6 +1,7 @@
 """Training on tiny random targets: losses fall, acceptance rises on target-generated text, runs resume."""
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -15,6 +16,8 @@ from transformers import TrainerCallback, TrainingArguments
 
 from hf_dspark.training import DSparkTrainer, most_frequent_tokens
 from conftest import prompts, tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.slow  # training runs (the fast lane leaves them out: README)
 
 
 def target_generated_examples(target, count=12, new_tokens=40):
@@ -288,48 +291,103 @@ def test_resume_skips_a_half_written_newest_checkpoint_and_keeps_it(tmp_path, ca
     assert f"moved the incomplete {half} to {runs / 'incomplete' / 'checkpoint-4'}" in err, err
 
 
-SIGINT_DRIVER = """
-import json, sys, time
-from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-from transformers import Trainer
-from conftest import tiny_target
-from test_training_e2e import train_tiny
+HANG_GUARD = 20 * 60
+"""Seconds a child process may take to reach its event, or to stop after SIGINT: far beyond any machine's speed, so
+only a hung child meets it. Every verdict is decided by events (a marker file, the child's exit), none by a clock."""
 
-marker = Path(sys.argv[2])
+
+def announce_and_wait_for_sigint(marker: Path, text: str) -> None:
+    """In a child process: say that the window a test interrupts has opened (`marker`, written whole at once, holds
+    `text`), then stay in it until SIGINT arrives, however long the parent takes to send it."""
+    partial = marker.with_name(marker.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, marker)
+    while True:  # short naps, not one blocking wait: a signal landing just before a blocking call could be missed
+        time.sleep(0.1)
+
+
+CHILD_PROLOGUE = """
+import signal, sys
+# Ctrl-C in a terminal reaches Python's own SIGINT handler. A test run started in the background without job control
+# (a CI step, `cmd &` in a script) inherits SIGINT *ignored*, and so would this child: the signal would do nothing.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.path.insert(0, sys.argv[1])
+"""
+
+
+class InterruptibleChild:
+    """A Python child process (`CHILD_PROLOGUE` + code, argv[1] the tests folder) that a test starts, waits for until
+    it announces its window (`announce_and_wait_for_sigint`), interrupts with SIGINT and waits for again."""
+
+    def __init__(self, folder: Path):
+        self.log, self.process = folder / "child.log", None
+
+    def start(self, code: str, marker: Path, *args: str) -> str:
+        """Start the child and wait until it creates `marker`; returns the marker's text."""
+        with open(self.log, "w") as out:
+            self.process = subprocess.Popen([sys.executable, "-c", CHILD_PROLOGUE + code, str(Path(__file__).parent),
+                                             *args], stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + HANG_GUARD
+        while not marker.exists() and self.process.poll() is None:
+            assert time.monotonic() < deadline, f"no {marker.name} after {HANG_GUARD} s (hung):\n{self.output()}"
+            time.sleep(0.05)
+        assert marker.exists(), f"the child ended ({self.process.returncode}) before {marker.name}:\n{self.output()}"
+        return marker.read_text()
+
+    def interrupt(self) -> int:
+        """Send SIGINT and wait for the child to end; returns its exit code."""
+        self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout=HANG_GUARD)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the child still runs {HANG_GUARD} s after SIGINT (hung):\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def interruptible_child(tmp_path):
+    child = InterruptibleChild(tmp_path)
+    yield child
+    child.close()
+
+
+SIGINT_DRIVER = """
+from pathlib import Path
+from transformers import Trainer
+from test_training_e2e import announce_and_wait_for_sigint, train_tiny
+
 save_rng_state = Trainer._save_rng_state
 
-def slow_save(self, output_dir):  # widen the save window of step 4: the model and optimizer are written by now
+def save_that_waits(self, output_dir):  # inside the save of step 4: the model and optimizer are written by now
     if self.state.global_step == 4:
-        marker.write_text(output_dir)
-        time.sleep(120)
+        announce_and_wait_for_sigint(Path(sys.argv[2]), output_dir)
     return save_rng_state(self, output_dir)
 
-Trainer._save_rng_state = slow_save
+Trainer._save_rng_state = save_that_waits
 train_tiny(Path(sys.argv[3]), Path(sys.argv[4]), max_steps=6)
 """
 
 
-def test_sigint_during_a_checkpoint_save_leaves_a_run_that_resumes(tmp_path, capfd):
+def test_sigint_during_a_checkpoint_save_leaves_a_run_that_resumes(tmp_path, capfd, interruptible_child):
     """Ctrl-C while checkpoint-4 is being written (after its weights and optimizer, before its trainer state), in a
-    real process: the rerun resumes from checkpoint-2 instead of crashing on a half checkpoint."""
+    real process: the rerun resumes from checkpoint-2 instead of crashing on a half checkpoint. The child waits in the
+    save until the signal comes, so the machine's speed decides nothing."""
     from hf_dspark.training.checkpoints import checkpoint_problem
 
     data = write_regenerated_shard(tmp_path / "data")
     marker, output = tmp_path / "saving", tmp_path / "out"
-    process = subprocess.Popen([sys.executable, "-c", SIGINT_DRIVER, str(Path(__file__).parent), str(marker),
-                                str(output), str(data)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), process.communicate(timeout=60)[0][-3000:]
-        assert (Path(marker.read_text()) / "model.safetensors").is_file()  # stopped inside the save
-        process.send_signal(signal.SIGINT)
-        log = process.communicate(timeout=120)[0]
-    finally:
-        process.kill()
-    assert process.returncode != 0 and "KeyboardInterrupt" in log, log[-3000:]
+    saving = interruptible_child.start(SIGINT_DRIVER, marker, str(marker), str(output), str(data))
+    assert (Path(saving) / "model.safetensors").is_file()  # stopped inside the save
+    code = interruptible_child.interrupt()
+    log = interruptible_child.output()
+    assert code != 0 and "KeyboardInterrupt" in log, log
     runs = output / "trainer"
     assert checkpoint_problem(runs / "checkpoint-2") is None
     assert all(checkpoint_problem(path) is None for path in runs.glob("checkpoint-*"))  # no half checkpoint-4

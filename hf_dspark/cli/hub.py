@@ -38,7 +38,7 @@ def cmd_convert(args) -> int:
     """Read a drafter in any layout hf_dspark reads and write it in another (`--to`; default: an hf_dspark drafter
     goes to DeepSpec's layout, anything else to hf_dspark's). Every failure (an unreadable or missing folder, a refused
     drafter, a target that does not fit, a write error) is one line on stderr and exit code 2, and leaves no
-    half-written output."""
+    half-written output; neither does Ctrl-C."""
     import shutil
 
     from safetensors import SafetensorError
@@ -59,6 +59,10 @@ def cmd_convert(args) -> int:
             message = f"{args.source}/config.json has no field {message}; is it a drafter checkpoint?"
         print(f"hf-dspark convert: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # main() prints the one line; a half-written new folder is not left behind
+        if not existed and output.exists():
+            shutil.rmtree(output, ignore_errors=True)
+        raise
     return 0
 
 

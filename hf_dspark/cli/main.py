@@ -303,7 +303,8 @@ def impossible_setting(args) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A mistake the user can fix (an impossible flag, a missing or wrong model folder, a drafter
-    for another target, unusable data) is one line on stderr and exit code 2; real bugs keep their traceback."""
+    for another target, unusable data) is one line on stderr and exit code 2; Ctrl-C is one line saying what was
+    kept and how to resume, exit code 130; real bugs keep their traceback."""
     args = build_parser().parse_args(argv)
     problem = impossible_setting(args)
     if problem is None:
@@ -313,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
         except UserInputError as error:
             problem = str(error)
+        except KeyboardInterrupt:
+            from hf_dspark.cli.interrupts import report_interrupt
+
+            return report_interrupt(args)
     print(f"hf-dspark {args.command}: {' '.join(problem.split())}", file=sys.stderr)
     return 2
 

@@ -29,8 +29,6 @@ later request (the conversation's next turn) continued on it, prefilling only it
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from ..models.identity import BLOCK_DRAFTER_TYPE, drafter_type
@@ -40,7 +38,8 @@ from .batch_state import BatchRows, to_device
 from .drafting import Drafts, draft_block, verify_drafts
 from .engine_checks import (check_drafter, check_left_padded, check_resume, check_target, checked_prompt,
                             drafter_defaults)
-from .engine_requests import BatchedOutput, EngineSnapshot, ParkedCache, Request, emit, eos_ids
+from .engine_requests import (BatchedOutput, EngineGate, EngineSnapshot, ParkedCache, Request, emit, eos_ids,
+                              park_finished)
 from .engine_rounds import (PlainChoice, commit_round, left_padded, plain_step, prefill, prefill_resumed,
                             project_context, read_lengths, verify_round)
 from .sampling import RowSampling, SamplingParams
@@ -88,6 +87,11 @@ class SpeculativeEngine:
     left-padded target forward) and appends their rows to the running batch, then runs one round for all rows.
     Each request's output is distributed exactly as the target's own decoding of its prompt alone with its own
     settings (greedy: the same tokens), whatever else shares the batch and whenever it joined.
+
+    Threads: one thread may step the engine while others `submit()` (never waiting for a step: the request joins
+    at the next step to start) and `cancel()` (waiting for the running step, then taking effect before any later
+    one, returning the tokens that step left). The engine casts its drafter in place (`attach_target(follow=True)`):
+    do not generate() with that drafter for a target of another dtype or device while the engine runs.
 
     Args:
         target: a decoder-only causal LM with full attention on every layer (sdpa or eager).
@@ -143,7 +147,7 @@ class SpeculativeEngine:
         self._parked: dict[int, ParkedCache] = {}
         self._waiting: list[int] = []
         self._rows: BatchRows | None = None
-        self._ids = itertools.count()
+        self._gate = EngineGate()  # other threads' submissions and cancellations
         self._reset_policy()
 
     # -- public ---------------------------------------------------------------------------------------------------
@@ -174,22 +178,18 @@ class SpeculativeEngine:
                              "no cache to park.")
         check_resume(tokens, resume, self.plain)
         sampling = SamplingParams(bool(do_sample), float(temperature), float(top_p), int(top_k or 0))
-        request_id = next(self._ids)
-        self._requests[request_id] = Request(tokens, max_new_tokens, sampling, eos_ids(self.target, eos_token_id),
-                                             generator, resume, keep_cache)
-        self.stats[request_id] = self._requests[request_id].stats
-        self._waiting.append(request_id)
-        return request_id
+        request = Request(tokens, max_new_tokens, sampling, eos_ids(self.target, eos_token_id), generator, resume,
+                          keep_cache)
+        return self._gate.post(request, self._requests, self.stats)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._gate)
 
     @property
     def num_running(self) -> int:
         return 0 if self._rows is None else len(self._rows)
 
-    @torch.no_grad()
     def step(self) -> dict[int, torch.LongTensor]:
         """Admit the waiting requests, then run one round for every running request. Returns the requests that
         finished during this step (id -> prompt followed by its new tokens); each output is returned once.
@@ -198,6 +198,43 @@ class SpeculativeEngine:
         was before the step: waiting requests still wait, running ones keep their caches and tokens. Fix the
         cause, or `cancel()` the offending request, and step again; every other request's output is unchanged.
         (A stateful scheduler may have seen the failed round's confidences: that changes draft lengths only.)"""
+        with self._gate.exclusive():
+            return self._step()
+
+    def cancel(self, request_id: int) -> torch.LongTensor:
+        """Drop a waiting or running request; returns its tokens so far (prompt followed by any new tokens).
+        The other requests are unaffected. Called during a step (from another thread), it waits for that step."""
+        with self._gate.exclusive():
+            return self._cancel(request_id)
+
+    def run_until_done(self) -> dict[int, torch.LongTensor]:
+        """Step until no request is waiting or running; returns the outputs of the requests that finished during
+        this call (those returned by earlier `step()` calls are not repeated)."""
+        outputs: dict[int, torch.LongTensor] = {}
+        returned: dict[int, SpeculativeStats] = {}
+        while True:
+            with self._gate.exclusive():  # step by step: other threads' cancellations go in between
+                if not (self.num_waiting or self.num_running):
+                    self.returned_stats = returned
+                    return outputs
+                outputs.update(self._step())
+                returned.update(self.returned_stats)
+
+    def take_parked(self, request_id: int) -> ParkedCache:
+        """The parked cache of a finished `keep_cache=True` request, leaving the engine (pass it to `submit(...,
+        resume=)` for the conversation's next turn, or drop it)."""
+        with self._gate.exclusive():
+            if request_id not in self._parked:
+                raise KeyError(f"no parked cache for request {request_id}: submit it with keep_cache=True (plain "
+                               "decoding) and take its cache once, after its output was returned.")
+            return self._parked.pop(request_id)
+
+    # -- internals ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _step(self) -> dict[int, torch.LongTensor]:
+        """`step()`, with the engine held."""
+        self._gate.admit(self._waiting)
         snapshot = EngineSnapshot.take(self._waiting, self._rows, self._requests, self._parked,
                                        len(self.verified_tokens_per_round))
         try:
@@ -205,21 +242,13 @@ class SpeculativeEngine:
             if self.num_running:
                 finished += self._plain_round() if self.plain else self._round()
         except BaseException as error:
-            self._waiting, self._rows, self._sampling, self._plain_choice = snapshot.waiting, snapshot.rows, None, None
-            snapshot.restore(self._requests, self._parked, self.verified_tokens_per_round)
-            if hasattr(error, "add_note"):
-                error.add_note(
-                    f"SpeculativeEngine: the step that raised this ({len(snapshot.waiting)} waiting requests "
-                    f"{snapshot.waiting[:8]}, {self.num_running} running) was undone; the engine is as before it. "
-                    "Fix the cause or cancel(request_id) the offending request, then step again."
-                )
+            snapshot.undo(self, error)
             raise
         self.returned_stats = {}
         return {request_id: self._pop_output(request_id) for request_id in finished}
 
-    def cancel(self, request_id: int) -> torch.LongTensor:
-        """Drop a waiting or running request; returns its tokens so far (prompt followed by any new tokens).
-        The other requests are unaffected."""
+    def _cancel(self, request_id: int) -> torch.LongTensor:
+        self._gate.admit(self._waiting)
         if request_id not in self._requests:
             raise KeyError(f"no request {request_id} is waiting or running (finished ones were already returned).")
         self.returned_stats = {}
@@ -232,27 +261,6 @@ class SpeculativeEngine:
             elif len(keep) < len(self._rows):
                 self._rows.select(keep)
         return self._pop_output(request_id)
-
-    def run_until_done(self) -> dict[int, torch.LongTensor]:
-        """Step until no request is waiting or running; returns the outputs of the requests that finished during
-        this call (those returned by earlier `step()` calls are not repeated)."""
-        outputs: dict[int, torch.LongTensor] = {}
-        returned: dict[int, SpeculativeStats] = {}
-        while self._waiting or self.num_running:
-            outputs.update(self.step())
-            returned.update(self.returned_stats)
-        self.returned_stats = returned
-        return outputs
-
-    def take_parked(self, request_id: int) -> ParkedCache:
-        """The parked cache of a finished `keep_cache=True` request, leaving the engine (pass it to `submit(...,
-        resume=)` for the conversation's next turn, or drop it)."""
-        if request_id not in self._parked:
-            raise KeyError(f"no parked cache for request {request_id}: submit it with keep_cache=True (plain "
-                           "decoding) and take its cache once, after its output was returned.")
-        return self._parked.pop(request_id)
-
-    # -- internals ------------------------------------------------------------------------------------------------
 
     def _reset_policy(self) -> None:
         if self.rule is not None:
@@ -300,7 +308,7 @@ class SpeculativeEngine:
         done = emit([self._requests[r] for r in request_ids], [[t] for t in first_token.tolist()],
                     [1] * len(request_ids))
         rows.anchor = first_token
-        self._park(rows, done)
+        park_finished(rows, done, self._requests, self._parked)
         if all(done):
             return request_ids
         if any(done):
@@ -320,14 +328,6 @@ class SpeculativeEngine:
         if self._plain_choice is None or self._plain_choice[0] != request_ids:
             self._plain_choice = (list(request_ids), PlainChoice([self._requests[r] for r in request_ids], self.device))
         return self._plain_choice[1].choose(logits, self.generator)
-
-    def _park(self, rows: BatchRows, done: list[bool]) -> None:
-        """Keep the cache of the finished `keep_cache` requests (their entries cover all their tokens but the
-        last, which never went through the target)."""
-        for row, (request_id, finished) in enumerate(zip(rows.request_ids, done)):
-            request = self._requests[request_id]
-            if finished and request.keep_cache:
-                self._parked[request_id] = ParkedCache(request.tokens[:-1], rows.target_entries(row))
 
     def _round(self) -> list[int]:
         """One draft-verify round for every running row; retires and returns the requests it finished.
@@ -381,7 +381,7 @@ class SpeculativeEngine:
         take `next_anchor()`. Returns the finished requests."""
         rows = self._rows
         finished = [r for r, d in zip(rows.request_ids, done) if d]
-        self._park(rows, done)
+        park_finished(rows, done, self._requests, self._parked)
         if all(done):
             self._rows = None
             return finished

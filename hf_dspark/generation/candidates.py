@@ -198,6 +198,7 @@ class Eagle3CandidateGenerator(DraftCandidateGenerator):
 
     def _draft(self, input_ids, features, budget) -> Drafts:
         started = self.clock.now()
+        budget = self.plan.length_rule().max_slots(budget)  # ("fixed", k): a chain drafts only what is verified
         out = self._context_pass(input_ids, features)
         logits, state = out.logits[:, -1], out.hidden_states[:, -1:]
         tokens, probs = [], []
@@ -213,6 +214,8 @@ class Eagle3CandidateGenerator(DraftCandidateGenerator):
                 logits, state = out.logits[:, -1], out.hidden_states
         self.cache.crop(self.context_length)  # drafted rows were built on the drafter's own states
         self.clock.lap(self.stats, "drafting", started)
+        if not tokens:  # ("fixed", 0): the context is consumed, nothing is drafted
+            return Drafts.empty(1, input_ids.device)
         lengths = torch.full((1,), budget, dtype=torch.long, device=input_ids.device)
         return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, lengths,
                       length=budget)

@@ -38,8 +38,10 @@ def speculative_decoding(
 ):
     """What both generate() routes run: one prompt through the batch-1 loop, several through the batched engine.
     `drafting_settings` are the settings the call passed (`hf_dspark.generation.settings`), resolved with the
-    drafter's `generation_config` into one `DraftingPlan` before any token. The drafter follows its target's device
-    and dtype for the call; its own weights come back when it returns.
+    drafter's `generation_config` into one `DraftingPlan` before any token. The call runs `drafter.for_target(target)`:
+    the drafter beside the target's LM head, in its dtype, as a view of its own (over a cached cast copy when the
+    drafter's weights have another dtype or device), so the drafter's weights never change and calls from several
+    threads may share one drafter, with targets of different dtypes too.
 
     `generate`'s logits processors are called once per scored position: every draft slot and every verification
     slot, with that slot's context (prompt, text so far, the drafts before it), including positions that are later
@@ -49,19 +51,20 @@ def speculative_decoding(
     check_sampling_processors(logits_processor)  # the batched engine's rules, so both paths refuse alike
     check_request(target, drafter, input_ids, generation_config, model_kwargs, streamer)
     plan = DraftingPlan.for_call(drafter, drafting_settings, stopping_criteria)
-    try:
-        if input_ids.shape[0] > 1:
-            return batched_speculative_decoding(target, input_ids, logits_processor, generation_config, drafter, plan,
-                                                model_kwargs.get("attention_mask"))
-        return _decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, generation_config, drafter,
-                                  plan, streamer, **model_kwargs)
-    finally:
-        drafter.restore_own_precision()
+    bound = drafter.for_target(target)  # this call's own drafter: beside the target's LM head, in its dtype
+    if input_ids.shape[0] > 1:
+        result = batched_speculative_decoding(target, input_ids, logits_processor, generation_config, bound, plan,
+                                              model_kwargs.get("attention_mask"))
+    else:
+        result = _decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, generation_config, bound,
+                                    plan, streamer, **model_kwargs)
+    drafter.last_generation_stats = bound.last_generation_stats
+    return result
 
 
 def _decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, generation_config, drafter,
                        plan: DraftingPlan, streamer=None, **model_kwargs):
-    drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
+    """The batch-1 loop, with `drafter` bound to `target` for this call (`for_target`)."""
     generator = candidate_generator_for(drafter, logits_processor, generation_config, plan)
     sampling = generator.sampling
     cache = model_kwargs["cache"]

@@ -1,8 +1,12 @@
 """The batched engine's request bookkeeping: what a request asked for and has produced, what a batch returns, the
-parked cache a conversation's next turn continues from, and the snapshot that undoes a failed step."""
+parked cache a conversation's next turn continues from, the snapshot that undoes a failed step, and the gate that
+lets other threads submit and cancel requests while one thread steps the engine."""
 
 from __future__ import annotations
 
+import itertools
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +84,16 @@ def emit(requests: list[Request], new_tokens: list[list[int]], counts: list[int]
     return finished
 
 
+def park_finished(rows: BatchRows, done: list[bool], requests: dict[int, Request],
+                  parked: dict[int, ParkedCache]) -> None:
+    """Keep the cache of the finished `keep_cache` requests (their entries cover all their tokens but the last,
+    which never went through the target)."""
+    for row, (request_id, finished) in enumerate(zip(rows.request_ids, done)):
+        request = requests[request_id]
+        if finished and request.keep_cache:
+            parked[request_id] = ParkedCache(request.tokens[:-1], rows.target_entries(row))
+
+
 @dataclass
 class EngineSnapshot:
     """The engine's state before a step, by reference: every cache update and row edit replaces tensors, or writes
@@ -98,13 +112,26 @@ class EngineSnapshot:
     @classmethod
     def take(cls, waiting: list[int], rows: BatchRows | None, requests: dict[int, Request], parked: dict,
              rounds: int) -> "EngineSnapshot":
-        counts = {r: (len(q.tokens), q.emitted, q.stats.num_rounds) for r, q in requests.items()}
+        # What a step can change: the waiting and running requests (not those other threads post meanwhile).
+        stepped = [*waiting, *(rows.request_ids if rows is not None else [])]
+        counts = {r: (len(requests[r].tokens), requests[r].emitted, requests[r].stats.num_rounds) for r in stepped}
         resumes = {r: requests[r].resume for r in waiting if requests[r].resume is not None}
         if rows is None:
             return cls(list(waiting), None, {}, [], ([], []), counts, list(parked), resumes, rounds)
         return cls(list(waiting), rows, dict(vars(rows)), snapshot_layers(rows.target_cache),
                    (list(rows.draft_cache.keys), list(rows.draft_cache.values)), counts, list(parked), resumes,
                    rounds)
+
+    def undo(self, engine, error: BaseException) -> None:
+        """Put `engine` back as it was before the step that raised `error`, and say so on the error."""
+        engine._waiting, engine._rows, engine._sampling, engine._plain_choice = self.waiting, self.rows, None, None
+        self.restore(engine._requests, engine._parked, engine.verified_tokens_per_round)
+        if hasattr(error, "add_note"):
+            error.add_note(
+                f"SpeculativeEngine: the step that raised this ({len(self.waiting)} waiting requests "
+                f"{self.waiting[:8]}, {engine.num_running} running) was undone; the engine is as before it. "
+                "Fix the cause or cancel(request_id) the offending request, then step again."
+            )
 
     def restore(self, requests: dict[int, Request], parked: dict, verified_tokens_per_round: list[int]) -> None:
         """Put the rows, requests, parked caches and per-round records back (the caller resets its own fields)."""
@@ -126,3 +153,83 @@ class EngineSnapshot:
         for request_id in [r for r in parked if r not in self.parked]:
             del parked[request_id]
         del verified_tokens_per_round[self.rounds:]
+
+
+class _TurnLock:
+    """A lock taken in the order it was asked for: a `cancel()` that arrives during a step goes right after it,
+    before the stepping thread's next step (a plain lock would let that thread take it again at once)."""
+
+    def __init__(self):
+        self._turns = threading.Condition(threading.Lock())
+        self._next = self._serving = 0
+        self._abandoned: set[int] = set()  # turns whose thread stopped waiting (interrupted)
+
+    def __enter__(self) -> None:
+        with self._turns:
+            turn, self._next = self._next, self._next + 1
+            try:
+                while turn != self._serving:
+                    self._turns.wait()
+            except BaseException:
+                if turn == self._serving:
+                    self._advance()
+                else:
+                    self._abandoned.add(turn)
+                raise
+
+    def __exit__(self, *error) -> None:
+        with self._turns:
+            self._advance()
+
+    def _advance(self) -> None:
+        self._serving += 1
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
+            self._serving += 1
+        self._turns.notify_all()
+
+
+class EngineGate:
+    """What lets several threads share one `SpeculativeEngine`. `submit()` posts its request under a short lock of
+    its own, never waiting for a running step; the next step (or a `cancel()`) takes the posted requests into the
+    waiting ones. `step()`, `cancel()`, `take_parked()` and each step of `run_until_done()` hold the engine in
+    turn (first come, first served): a cancel arriving during a step waits for it, then returns the request's
+    tokens as that step left them, and a step never sees another thread's change."""
+
+    def __init__(self):
+        self._turn = _TurnLock()
+        self._inbox_lock = threading.Lock()
+        self._inbox: list[int] = []
+        self._ids = itertools.count()
+        self._holder: int | None = None  # the thread holding the engine
+
+    def __len__(self) -> int:
+        return len(self._inbox)
+
+    def post(self, request: Request, requests: dict[int, Request], stats: dict) -> int:
+        """Register `request` and queue it for the next step; returns its id."""
+        with self._inbox_lock:
+            request_id = next(self._ids)
+            requests[request_id] = request
+            stats[request_id] = request.stats
+            self._inbox.append(request_id)
+        return request_id
+
+    def admit(self, waiting: list[int]) -> None:
+        """Move the ids posted since the last call to the end of `waiting`."""
+        with self._inbox_lock:
+            waiting.extend(self._inbox)
+            self._inbox.clear()
+
+    @contextmanager
+    def exclusive(self):
+        """Hold the engine, after the threads that asked before."""
+        if self._holder == threading.get_ident():
+            raise RuntimeError("SpeculativeEngine: step(), cancel(), run_until_done() and take_parked() cannot be "
+                               "called from inside a step (from code the step runs); call them once it returns.")
+        with self._turn:
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._holder = None

@@ -119,6 +119,8 @@ def batched_speculative_decoding(target, input_ids: torch.LongTensor, logits_pro
     mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     check_left_padded(input_ids, mask)
 
+    # `drafter` is this call's own (`for_target`), already beside the target in its dtype: the engine's
+    # attach_target(follow=True) finds nothing to move or cast, so the caller's drafter is never changed.
     engine = SpeculativeEngine(target, drafter, plan.policy, plan.policy_arg,
                                threshold_rule=plan.settings.confidence_threshold_rule, draft_length=plan.draft_length)
     request_ids = [engine.submit(input_ids[row, mask[row]], max_new_tokens, eos_token_id=eos, **sampling)

@@ -43,6 +43,7 @@ from .route_checks import (  # noqa: F401  (names the routes' users and tests re
     refuse_a_drafter_loaded_without_its_heads,
     refuse_other_decoding_methods,
     signature_drift,
+    untested_release_message,
 )
 from .settings import PASSED_SETTINGS_KEY, SETTING_NAMES, call_settings
 
@@ -206,6 +207,8 @@ def install_generate_hooks(mixin: type = GenerationMixin) -> list[str]:
         warnings.warn(
             incompatibility_message(problems, custom_generate_works=not loop_problems), UserWarning, stacklevel=2
         )
+    elif mixin is GenerationMixin and untested_release_message() is not None:
+        warnings.warn(untested_release_message(), UserWarning, stacklevel=2)
     _INSTALLED[mixin] = problems
     return problems
 

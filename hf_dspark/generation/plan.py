@@ -11,11 +11,16 @@ from dataclasses import dataclass
 
 from transformers import StoppingCriteriaList
 
+from ..models.errors import UserInputError
 from ..scheduling.draft_length import DraftLengthRule, resolve_verification_policy
 from ..scheduling.round_planner import RoundPlanner
 from .settings import DraftingSettings
 from .stopping import HostStoppingRule, StopLimits
 from .target_forward import target_runner_for
+
+
+# Verification policies that read the drafter's confidence head.
+CONFIDENCE_POLICIES = ("threshold", "scheduler")
 
 
 def drafter_has_confidences(drafter) -> bool:
@@ -40,6 +45,14 @@ class DraftingPlan:
         policy, policy_arg = resolve_verification_policy(
             settings.verification_policy, has_confidence=has_confidences, cost_table=settings.cost_table,
             confidence_threshold=settings.assistant_confidence_threshold)
+        if policy in CONFIDENCE_POLICIES and not has_confidences:
+            # The same refusal at every batch size (a rule that reads confidences would otherwise verify every slot
+            # at batch 1 while the engine refuses): only a policy given explicitly gets here.
+            raise UserInputError(
+                f"dspark_verification_policy={settings.verification_policy!r} reads the drafter's confidences, and "
+                f"this {type(drafter).__name__} has no confidence head (DFlash and Eagle3 drafters have none). Use "
+                "\"all\" or (\"fixed\", k), or leave it unset."
+            )
         plan = cls(settings, has_confidences, drafter.config.num_draft_slots, policy, policy_arg,
                    StopLimits.read(stopping_criteria or StoppingCriteriaList()))
         plan.length_rule()  # refuses a malformed policy argument now

@@ -16,8 +16,12 @@ from ..models.errors import UserInputError
 from ..models.formats import layout_name
 from ..models.identity import drafter_type
 
-# The range pyproject.toml declares (tests/test_integration.py keeps the two in step); named by the fix in messages.
-SUPPORTED_TRANSFORMERS = "transformers>=5.24,<6"
+# The transformers releases the tests have passed on: the oldest and the newest are the ends of the range below,
+# which pyproject.toml declares (tests/test_dependency_range.py keeps the three in step). A newer release joins only
+# once `scripts/test_transformers_range.sh` has run the tests on it; CI runs them on the oldest, the README's test
+# command on whatever setup installed.
+TESTED_TRANSFORMERS = ("5.24.0", "5.25.0")
+SUPPORTED_TRANSFORMERS = "transformers>=5.24.0,<=5.25.0"
 _CUSTOM_GENERATE_FIX = (
     "or pass the drafter through transformers' public custom_generate hook, which needs none of the private methods: "
     "target.generate(input_ids, custom_generate=hf_dspark.custom_generate_for(drafter), max_new_tokens=...)"
@@ -113,6 +117,19 @@ def incompatibility_message(problems: list[str], custom_generate_works: bool) ->
         + " ".join(problems)
         + " generate() with an hf_dspark drafter is refused; other generate() calls run stock transformers code. "
         + f"Fix: {fix}."
+    )
+
+
+def untested_release_message(version: str | None = None) -> str | None:
+    """None when `version` (default: the installed transformers) is a release the tests passed on, else why not."""
+    version = (version or transformers.__version__).split("+")[0]
+    if version in TESTED_TRANSFORMERS:
+        return None
+    return (
+        f"transformers {version} is not a release hf_dspark {__version__} was tested on "
+        f"({', '.join(TESTED_TRANSFORMERS)}): its generate() routes fit it, but nothing has shown that its outputs "
+        f'stay lossless. Install a tested one (pip install "{SUPPORTED_TRANSFORMERS}"), or test this one with '
+        f"`bash scripts/test_transformers_range.sh {version}`."
     )
 
 

@@ -18,16 +18,22 @@ transformers fills `num_assistant_tokens=20` and `assistant_confidence_threshold
 config that does not set them, so a call's generation config cannot tell those values from unset ones: they are read
 exactly when passed as keyword arguments, and from a `generation_config=` object (or the target's own generation
 config) only when they differ from those fills.
+
+A cost table is a `VerificationCostTable`, its fields, or the user's own path (a keyword or `drafter.generation_config`
+set in code), read from the working directory. A checkpoint never makes a call read a file: `from_pretrained` turns a
+drafter folder's file name into the table's fields, and a call's generation config (possibly the target's
+`generation_config.json`) that names a file is refused.
 """
 
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..models.configuration_common import CONFIDENCE_THRESHOLD_RULES
-from ..models.drafting_config import CALL_ONLY_SETTINGS, DRAFTING_DEFAULTS
+from ..models.drafting_config import CALL_ONLY_SETTINGS, DRAFTING_DEFAULTS, OWN_TABLE_FIX
 from ..models.errors import UserInputError
 from ..scheduling.cost_table import VerificationCostTable
 from ..scheduling.draft_length import POLICIES
@@ -77,7 +83,8 @@ class DraftingSettings:
                                                       CONFIDENCE_THRESHOLD_RULES),
             suffix_drafting=_checked_bool("dspark_suffix_drafting", value["dspark_suffix_drafting"]),
             round_planning=_checked_bool("dspark_round_planning", value["dspark_round_planning"]),
-            cost_table=_cost_table(value["dspark_cost_table"]),
+            cost_table=_cost_table(value["dspark_cost_table"], "dspark_cost_table" if "dspark_cost_table" in call
+                                   else "generation_config.dspark_cost_table"),
             learn_round_costs=_checked_bool("dspark_learn_round_costs", value["dspark_learn_round_costs"]),
             verification_policy=_checked_policy(value["dspark_verification_policy"]),
             time_phases=None if value["dspark_time_phases"] is None
@@ -89,13 +96,30 @@ class DraftingSettings:
 def call_settings(generation_config, passed: dict | None = None) -> dict:
     """The settings a call passed: `passed` (its keyword arguments, exactly), plus `dspark_*` fields and non-default
     transformers fields of its generation config (a `generation_config=` object the user built)."""
-    found = {}
-    for name in DRAFTING_DEFAULTS:
+    found, passed = {}, dict(passed or {})
+    for name in set(DRAFTING_DEFAULTS) - set(passed):
         value = getattr(generation_config, name, None)
         if value is not None and value != _TRANSFORMERS_FILLS.get(name):
             found[name] = value
-    found.update(passed or {})
+    if "dspark_cost_table" in found:
+        found["dspark_cost_table"] = _generation_config_table(found["dspark_cost_table"])
+    found.update(passed)
     return found
+
+
+def _generation_config_table(value):
+    """A call's generation config may be the target's own, loaded from its checkpoint's `generation_config.json`:
+    data, which may carry a table's fields but never name a file to read (the call's own path is a keyword)."""
+    if isinstance(value, dict):
+        return VerificationCostTable.from_dict(value, "the call's generation_config.dspark_cost_table",
+                                               f"pass a VerificationCostTable, or {OWN_TABLE_FIX}")
+    if isinstance(value, (str, os.PathLike)):
+        raise UserInputError(
+            f"the call's generation_config.dspark_cost_table names a file, {str(value)[:200]!r}: a generation config "
+            "(the target's own, loaded from its checkpoint's generation_config.json, or one given as "
+            "generation_config=) is never trusted to name a file to read. Remove the field from it and pass a table "
+            f"per call instead: a VerificationCostTable, or {OWN_TABLE_FIX}.")
+    return value
 
 
 def checked_draft_length(value, slots: int) -> int:
@@ -132,13 +156,15 @@ def _checked_bool(name: str, value) -> bool:
     return value
 
 
-def _cost_table(value) -> VerificationCostTable | None:
+def _cost_table(value, source: str) -> VerificationCostTable | None:
+    """The table `value` is: itself, the user's own path (resolved against the working directory; a checkpoint's
+    file names were read into fields by `from_pretrained`), or its fields, checked and named by `source`."""
     if value is None or isinstance(value, VerificationCostTable):
         return value
     if isinstance(value, (str, Path)):
         return VerificationCostTable.load(value)
     if isinstance(value, dict):
-        return VerificationCostTable(**value)
+        return VerificationCostTable.from_dict(value, source, f"pass a VerificationCostTable, or {OWN_TABLE_FIX}")
     raise ValueError(f"dspark_cost_table must be a VerificationCostTable, the path of its JSON or None, got "
                      f"{type(value).__name__}.")
 

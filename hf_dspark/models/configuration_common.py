@@ -4,17 +4,14 @@ checks. Each family's config adds its own fields and sets its own defaults on to
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .target_info import QK_NORM_FAMILIES, check_target_layer_ids, target_shape_fields
-
-CONFIDENCE_THRESHOLD_RULES = ("cumulative", "per_slot")
-"""How a static `assistant_confidence_threshold` t stops drafting: `"cumulative"` at the first slot j whose survival
-c_1 ... c_j < t (hf_dspark), `"per_slot"` at the first slot whose own c_j < t (DeepSpec's --confidence-threshold)."""
-
+from .config_checks import CONFIDENCE_THRESHOLD_RULES, check_config_fields, config_source
+from .target_info import QK_NORM_FAMILIES, target_shape_fields
 
 
 @strict
@@ -78,7 +75,13 @@ class DraftPreTrainedConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
+    config_kind: ClassVar[str | None] = None
+    """The family whose own consistency rules `config_checks` applies ("dspark", "eagle3")."""
+
     def __post_init__(self, **kwargs):
+        # Every field checked before anything is derived from it (head_dim = hidden_size // num_attention_heads,
+        # the dtype looked up in torch, ...): one DrafterLoadError naming the field, not an error from deep inside.
+        self.check_fields(config_source(kwargs, type(self).__name__), kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -93,14 +96,18 @@ class DraftPreTrainedConfig(PreTrainedConfig):
         """The target layers a config that names none reads: each family has its rule."""
         raise NotImplementedError(f"{type(self).__name__} has no rule for default target_layer_ids")
 
-    def _check_draft_vocab_size(self) -> None:
-        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in 1..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}")
+    def check_fields(self, source: str | None = None, legacy: dict | None = None) -> None:
+        """Refuse a field of this config that `config_checks` finds bad (type, range, consistency), with a
+        `DrafterLoadError` naming `source` (default: the class), the field, its value and the fix. `legacy`: the
+        transformers 4 keyword arguments (`torch_dtype`, `rope_scaling`, `rope_theta`) passed with the fields."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        values.update({name: value for name, value in (legacy or {}).items()
+                       if name in ("torch_dtype", "rope_scaling", "rope_theta")})
+        check_config_fields(values, source or type(self).__name__, kind=self.config_kind)
 
-    def _check_target_layer_ids(self) -> None:
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids must name at least one target layer")
-        check_target_layer_ids(self.target_layer_ids)
+    def validate_fields(self):
+        """Part of `@strict`-powered validation (`config.validate()`, after fields were changed)."""
+        self.check_fields()
 
     @staticmethod
     def _fields_from_target(target_config: PreTrainedConfig, overrides: dict[str, Any]) -> dict[str, Any]:

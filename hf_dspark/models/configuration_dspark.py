@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .configuration_common import CONFIDENCE_THRESHOLD_RULES, DraftPreTrainedConfig
+from .config_checks import ATTENTION_LAYER_TYPES, SEQUENTIAL_HEADS  # noqa: F401  (the names this module had)
+from .configuration_common import DraftPreTrainedConfig
 from .identity import BLOCK_DRAFTER_TYPE
 from .target_info import default_target_layer_ids
-
-SEQUENTIAL_HEADS = ("markov", "gated", "rnn")
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 # DeepSpec's published drafter settings per target (5 layers, block 7, Markov rank 256, confidence head).
@@ -104,6 +101,7 @@ class DSparkDraftConfig(DraftPreTrainedConfig):
     """
 
     model_type = BLOCK_DRAFTER_TYPE
+    config_kind = "dspark"  # its fields are checked by `config_checks` (`DraftPreTrainedConfig.check_fields`)
     required_saved_fields: ClassVar[dict[str, str]] = {
         **DraftPreTrainedConfig.required_saved_fields,
         "mask_token_id": "Block slots after the anchor hold this token's embedding, and a default would change the "
@@ -132,53 +130,6 @@ class DSparkDraftConfig(DraftPreTrainedConfig):
     def _default_layer_ids(self) -> list[int]:
         depth = self.target_num_hidden_layers or 2 * self.num_hidden_layers + 3
         return default_target_layer_ids(depth, self.num_hidden_layers)
-
-    def validate_architecture(self):
-        if self.markov_head is not None and self.markov_head not in SEQUENTIAL_HEADS:
-            raise ValueError(f"markov_head must be one of {SEQUENTIAL_HEADS} or None, got {self.markov_head!r}")
-        if self.markov_head is not None and self.markov_rank <= 0:
-            raise ValueError(
-                f"markov_head={self.markov_head!r} needs markov_rank > 0 (got {self.markov_rank}); "
-                "set markov_head=None for a DFlash drafter"
-            )
-        self._check_draft_vocab_size()
-        if self.block_size < 2 - self.sample_from_anchor:
-            raise ValueError(f"block_size must be at least {2 - self.sample_from_anchor} (sample_from_anchor="
-                             f"{self.sample_from_anchor}), got {self.block_size}")
-        if self.confidence_temperatures is not None and (
-            len(self.confidence_temperatures) != self.num_draft_slots or min(self.confidence_temperatures) <= 0
-        ):
-            raise ValueError(f"confidence_temperatures needs {self.num_draft_slots} positive values (one per drafted "
-                             f"slot), got {self.confidence_temperatures}")
-        self._check_target_layer_ids()
-        if self.confidence_threshold_rule not in CONFIDENCE_THRESHOLD_RULES:
-            raise ValueError(f"confidence_threshold_rule must be one of {CONFIDENCE_THRESHOLD_RULES}, got "
-                             f"{self.confidence_threshold_rule!r}")
-        self._validate_drafting_options()
-        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size}) "
-                f"and be a multiple of num_key_value_heads ({self.num_key_value_heads})"
-            )
-
-    def _validate_drafting_options(self):
-        cap, scale = self.final_logit_softcapping, self.input_embedding_scale
-        if cap is not None and not (math.isfinite(cap) and cap > 0):
-            raise ValueError(f"final_logit_softcapping must be a positive finite number or None (off), got {cap}")
-        if scale is not None and not math.isfinite(scale):
-            raise ValueError(f"input_embedding_scale must be a finite number or None (off), got {scale}")
-        layers = self.num_hidden_layers
-        if isinstance(self.block_causal, list) and len(self.block_causal) != layers:
-            raise ValueError(f"block_causal needs one entry per layer ({layers}), got {self.block_causal}")
-        if self.layer_types is not None:
-            unknown = sorted(set(self.layer_types) - set(ATTENTION_LAYER_TYPES))
-            if unknown or len(self.layer_types) != layers:
-                raise ValueError(f"layer_types needs one of {ATTENTION_LAYER_TYPES} per layer ({layers}), got "
-                                 f"{self.layer_types}")
-        sliding = self.layer_types is not None and "sliding_attention" in self.layer_types
-        if sliding != (self.sliding_window is not None) or (sliding and self.sliding_window < 1):
-            raise ValueError(f"sliding_window ({self.sliding_window}) must be a positive window exactly when "
-                             f"layer_types has sliding_attention layers (layer_types={self.layer_types})")
 
     @property
     def layer_attention(self) -> list[tuple[bool, int | None]]:

@@ -40,23 +40,11 @@ class Eagle3DraftConfig(DraftPreTrainedConfig):
     """
 
     model_type = EAGLE3_DRAFTER_TYPE
+    config_kind = "eagle3"  # its fields are checked by `config_checks` (`DraftPreTrainedConfig.check_fields`)
     # Every field is `DraftPreTrainedConfig`'s, with its defaults (one decoder layer, no q/k norm).
 
     def _default_layer_ids(self) -> list[int]:
         return default_eagle3_layer_ids(self.target_num_hidden_layers or 32)
-
-    def validate_architecture(self):
-        self._check_draft_vocab_size()
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        if self.num_hidden_layers < 1:
-            raise ValueError(f"num_hidden_layers must be at least 1, got {self.num_hidden_layers}")
-        self._check_target_layer_ids()
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
 
     @property
     def num_draft_slots(self) -> int:

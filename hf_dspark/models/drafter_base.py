@@ -18,7 +18,8 @@ from .hub_hooks import _hub_hooks
 from .layers import DraftRMSNorm, DraftRotaryEmbedding
 from .saved_config import check_saved_config, load_other_layout
 from .target_binding import TargetBindingMixin
-from .weight_files import HUB_OPTIONS, check_floating_weights, checked_weight_files
+from .weight_files import (HUB_OPTIONS, check_fits_before_building, check_floating_weights, checked_weight_files,
+                           stored_tensor_headers)
 
 logger = logging.get_logger(__name__)
 
@@ -112,7 +113,7 @@ class DraftPreTrainedModel(TargetBindingMixin, PreTrainedModel):
             raise ValueError("hf_dspark drafters load weights from safetensors only; drop use_safetensors=False.")
         kwargs["use_safetensors"] = True
         return_info = kwargs.pop("output_loading_info", False)
-        check_saved_config(cls, pretrained_model_name_or_path, kwargs)  # AutoModel passes the config it read
+        saved = check_saved_config(cls, pretrained_model_name_or_path, kwargs)  # AutoModel passes the config it read
 
         # use_safetensors=True still reads whatever an index or config.json's transformers_weights names (a pickle,
         # a path outside the folder): resolve and check those files before anything is read.
@@ -123,13 +124,16 @@ class DraftPreTrainedModel(TargetBindingMixin, PreTrainedModel):
             "beside it, or re-save it with save_pretrained() from a matching drafter."
         )
         try:
+            if files and saved is not None:  # the weights' shapes (headers only) against the config: nothing built
+                cls._check_weights_fit(saved[0], files, Path(pretrained_model_name_or_path, kwargs.get("subfolder")
+                                                              or ""), kwargs.get("config"), fix)
             model, info = super().from_pretrained(
                 pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
             )
         except RuntimeError as error:
             if "mismatched_sizes" not in str(error):
                 raise
-            raise ValueError(
+            raise DrafterLoadError(
                 f"The checkpoint at {pretrained_model_name_or_path!r} has weights with the wrong shape for "
                 f"{cls.__name__} (see the load report above). {fix}"
             ) from error
@@ -149,7 +153,7 @@ class DraftPreTrainedModel(TargetBindingMixin, PreTrainedModel):
         if info.get("mismatched_keys"):
             problems.append(f"weights with the wrong shape {[k for k, *_ in info['mismatched_keys']][:8]}")
         if problems:
-            raise ValueError(
+            raise DrafterLoadError(
                 f"The checkpoint at {pretrained_model_name_or_path!r} does not fit {cls.__name__} "
                 f"({'; '.join(problems)}). {fix}"
             )
@@ -157,6 +161,15 @@ class DraftPreTrainedModel(TargetBindingMixin, PreTrainedModel):
         model.generation_config = load_drafting_config(
             pretrained_model_name_or_path, model.config, **{k: kwargs[k] for k in HUB_OPTIONS if k in kwargs})
         return (model, info) if return_info else model
+
+    @classmethod
+    def _check_weights_fit(cls, saved: dict, files: list[str], where, config, fix: str) -> None:
+        """The shapes in the safetensors headers of `files` against the drafter `saved` (its config.json) or
+        `config` (one AutoModel passed) describes, before transformers builds it: a size the weights do not have is
+        one `DrafterLoadError` naming the tensors (shared with the other layouts' readers)."""
+        if not isinstance(config, PreTrainedConfig):
+            config = cls.config_class.from_dict(dict(saved))
+        check_fits_before_building(cls, config, stored_tensor_headers(files), where, "drafter", fix, shapes_only=True)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save config and safetensors weights, plus what stock `transformers` needs to use the folder without

@@ -4,20 +4,29 @@ transformers keeps an assistant's decoding defaults in the assistant's `generati
 `assistant_confidence_threshold`, ...); a drafter does the same, with `dspark_`-prefixed fields for what transformers
 has no name for. They are saved with the drafter (`generation_config.json` beside `config.json`), loaded back by
 `from_pretrained`, and any of them may be overridden per `generate()` call by a keyword argument of the same name.
-Their meaning and checks live with the decoding loop (`hf_dspark.generation.settings`); this module only holds the
-defaults, so that a drafter, built or loaded, always has every field.
+Their meaning and checks live with the decoding loop (`hf_dspark.generation.settings`); this module holds the
+defaults, so that a drafter, built or loaded, always has every field, and checks the one field that can name a file.
+
+A drafter folder is data from the Hub: its `dspark_cost_table` is the table's fields inline (as `save_pretrained` writes
+it) or the name of a JSON file inside the folder itself (relative, no `..`, no symlink out of it, a regular file of at
+most 1 MiB), fetched like the config (`cached_file`) for a Hub id; anything else is refused by `from_pretrained`, and a
+named file is read there and kept inline, so that nothing is read later against the working directory. A path a user
+sets in code or passes to `generate()` is theirs, read where they run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+import math
+import numbers
+import os
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from transformers import GenerationConfig
 from transformers.utils import cached_file
 
-from .errors import DrafterLoadError
-from .json_files import read_json
+from .errors import DrafterLoadError, UserInputError
+from .json_files import SMALL_JSON_BYTES, read_json
 
 DRAFTING_DEFAULTS = {
     "num_assistant_tokens": None,
@@ -37,6 +46,11 @@ CALL_ONLY_SETTINGS = ("dspark_state",)
 """Settings a `generate()` call may pass that are never saved: the learning state object."""
 
 GENERATION_CONFIG_FILE = "generation_config.json"
+COST_TABLE_FIELDS = ("seconds", "draft_seconds", "description")
+OWN_TABLE_FIX = ("profile a table of your own (`hf-dspark profile --output my-costs.json`) and pass it per call: "
+                 "generate(..., dspark_cost_table=\"my-costs.json\")")
+_CHECKPOINT_FIX = (f"restore the drafter folder, remove dspark_cost_table from its {GENERATION_CONFIG_FILE}, "
+                   f"or {OWN_TABLE_FIX}")
 
 
 def drafting_generation_config(config) -> GenerationConfig:
@@ -63,8 +77,16 @@ def save_drafting_config(generation_config: GenerationConfig, folder: str | Path
     if dataclasses.is_dataclass(table):
         values["dspark_cost_table"] = dataclasses.asdict(table)
     elif isinstance(table, (str, Path)):  # a path would not travel with the folder (push_to_hub): keep the table
-        values["dspark_cost_table"] = read_json(table, "generation_config.dspark_cost_table, the cost table",
-                                                "profile one with `hf-dspark profile --output PATH` or unset it")
+        fix = "profile one with `hf-dspark profile --output PATH` or unset it"
+        values["dspark_cost_table"] = read_json(table, "generation_config.dspark_cost_table, the cost table", fix,
+                                                max_bytes=SMALL_JSON_BYTES)
+        problem = cost_table_problem(values["dspark_cost_table"])
+        if problem is not None:
+            raise UserInputError(f"generation_config.dspark_cost_table: {table} is not a cost table: {problem}; "
+                                 f"{fix}.")
+    elif isinstance(table, dict) and cost_table_problem(table) is not None:  # would be refused when loaded
+        raise UserInputError(f"generation_config.dspark_cost_table is not a cost table: {cost_table_problem(table)}; "
+                             "set a VerificationCostTable or the fields `hf-dspark profile` writes, or unset it.")
     policy = values.get("dspark_verification_policy")
     if policy is not None and not isinstance(policy, (str, list, tuple)):
         raise ValueError(
@@ -92,7 +114,122 @@ def load_drafting_config(folder: str | Path, config, **hub_options) -> Generatio
         return drafting_generation_config(config)
     saved = read_json(found, "the drafter's generation settings",
                       "restore it from the drafter's original folder, or delete it to use the drafting defaults",
-                      DrafterLoadError)
+                      DrafterLoadError, SMALL_JSON_BYTES)
     if not isinstance(saved, dict):
         raise DrafterLoadError(f"{found} is not a JSON object of generation settings; restore or delete it.")
+    if saved.get("dspark_cost_table") is not None:
+        saved["dspark_cost_table"] = checkpoint_cost_table(saved["dspark_cost_table"], folder, found, hub_options)
     return with_every_drafting_field(GenerationConfig.from_dict(saved), config)
+
+
+def checkpoint_cost_table(value, folder, found: str, hub_options: dict) -> dict:
+    """The cost table a drafter folder's `generation_config.json` (`found`) carries, as its checked fields: `value`
+    inline, or read from the file inside the folder it names (`cached_file` for a Hub id). A DrafterLoadError naming
+    the field, the file and the fix otherwise."""
+    where = f"{found} (dspark_cost_table)"
+    if isinstance(value, str):
+        value, path = _read_folder_table(value, folder, found, hub_options)
+        where = f"{where}: {path}"
+    elif not isinstance(value, dict):
+        raise DrafterLoadError(f"{found} (dspark_cost_table) is {repr(value)[:80]}, neither the cost table's "
+                               "fields (as save_pretrained writes them) nor the name of a JSON file inside the drafter "
+                               f"folder; {_CHECKPOINT_FIX}.")
+    problem = cost_table_problem(value)
+    if problem is not None:
+        raise DrafterLoadError(f"{where} is not a cost table: {problem}; {_CHECKPOINT_FIX}.")
+    return value
+
+
+def _read_folder_table(name: str, folder, found: str, hub_options: dict) -> tuple[object, str]:
+    """The JSON value stored in the file `name` of the drafter folder, and the file read; refused unless `name` is
+    a plain relative path inside the folder that, once its symlinks are resolved, is still inside it (a Hub cache
+    snapshot's links into its own `blobs/` excepted), naming a regular file of at most `SMALL_JSON_BYTES`."""
+    source = f"{found} (dspark_cost_table)"
+    problem = _name_problem(name)
+    if problem is not None:
+        raise DrafterLoadError(f"{source} names {name[:200]!r}, which {problem}: a drafter folder may name only a "
+                               f"file inside itself; {_CHECKPOINT_FIX}.")
+    base = os.path.dirname(found)
+    if os.path.isdir(str(folder)):  # a local folder, as cached_file tells them apart
+        path = os.path.join(base, name)
+        path = path if os.path.lexists(path) else None
+    else:
+        try:
+            path = cached_file(str(folder), name, _raise_exceptions_for_missing_entries=False, **hub_options)
+        except (OSError, ValueError) as error:
+            raise DrafterLoadError(f"{source} names {name!r}, which cannot be fetched from {folder} ({error}); check "
+                                   f"the connection and access to the repository, {_CHECKPOINT_FIX}.") from None
+    if path is None:
+        raise DrafterLoadError(f"{source} names {name!r}, which is not in the drafter folder {base}; "
+                               f"{_CHECKPOINT_FIX}.")
+    if not _resolves_inside(path, base):
+        raise DrafterLoadError(f"{source} names {name!r}, a link that leads outside the drafter folder {base}: a "
+                               f"drafter folder may name only a file inside itself; {_CHECKPOINT_FIX}.")
+    return read_json(path, f"{source}: the cost table", _CHECKPOINT_FIX, DrafterLoadError, SMALL_JSON_BYTES), path
+
+
+def _name_problem(name: str) -> str | None:
+    """Why `name` is not a relative path inside a folder, or None."""
+    if not name or "\x00" in name:
+        return "is not a file name"
+    if os.path.isabs(name) or PureWindowsPath(name).drive or PureWindowsPath(name).root:
+        return "is an absolute path, outside the drafter folder"
+    if ".." in PurePosixPath(name.replace("\\", "/")).parts:
+        return "leads outside the drafter folder"
+    return None
+
+
+def _resolves_inside(path: str, base: str) -> bool:
+    """Whether `path`, every symlink resolved, lies inside the folder `base` (or, when `base` is a Hub cache
+    snapshot, in the `blobs/` folder of the same repository, where huggingface_hub links its files)."""
+    real = os.path.realpath(path)
+    roots = [os.path.realpath(base)]
+    for ancestor in (Path(base), *Path(base).parents):
+        repository = ancestor.parent.parent
+        if ancestor.parent.name == "snapshots" and repository.name.startswith("models--"):
+            blobs = os.path.join(os.path.realpath(repository), "blobs")
+            if os.path.realpath(blobs) == blobs:  # blobs/ itself no link elsewhere
+                roots.append(blobs)
+            break
+    try:
+        return any(os.path.commonpath([real, root]) == root for root in roots)
+    except ValueError:  # another drive
+        return False
+
+
+def cost_table_problem(stored) -> str | None:
+    """What is wrong with `stored` as the fields of a `VerificationCostTable` (`hf_dspark.scheduling`), naming the
+    field, or None: 'seconds' a non-empty list of finite times > 0 (the forward over 1, 2, ... tokens),
+    'draft_seconds' a finite time >= 0, 'description' an object (its 'rows', when given, an int >= 1), nothing else."""
+    if not isinstance(stored, dict):
+        return (f"a JSON {type(stored).__name__}, not an object with a list of 'seconds' and optional "
+                "'draft_seconds' and 'description'")
+    unknown = sorted(repr(key)[:40] for key in set(stored) - set(COST_TABLE_FIELDS))
+    if unknown:
+        return f"unknown field(s) {', '.join(unknown[:8])} (a cost table has only {', '.join(COST_TABLE_FIELDS)})"
+    seconds = stored.get("seconds")
+    if not isinstance(seconds, (list, tuple)) or not seconds:
+        return (f"field 'seconds' is {repr(seconds)[:80]}, not a non-empty list of the seconds of a forward over 1, "
+                "2, ... tokens")
+    for index, value in enumerate(seconds):
+        if not (_is_time(value) and value > 0):
+            return f"field 'seconds'[{index}] is {repr(value)[:80]}, not a positive, finite number of seconds"
+    draft = stored.get("draft_seconds", 0.0)
+    if not (_is_time(draft) and draft >= 0):
+        return f"field 'draft_seconds' is {repr(draft)[:80]}, not a finite number of seconds >= 0"
+    description = stored.get("description", {})
+    if not isinstance(description, dict):
+        return f"field 'description' is a {type(description).__name__}, not an object"
+    rows = description.get("rows", 1)
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        return f"field 'description.rows' is {repr(rows)[:80]}, not an int >= 1 (the batch size it was profiled for)"
+    return None
+
+
+def _is_time(value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False

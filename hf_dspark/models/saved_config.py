@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from transformers import PreTrainedConfig
 
+from .config_checks import check_config_fields
 from .errors import DrafterLoadError, UserInputError
 from .identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE
 from .weight_files import HUB_OPTIONS
@@ -23,10 +24,14 @@ def read_folder_config(folder: str | Path, what: str, error: type[UserInputError
     if not config_file.is_file():
         return None
     try:
-        return json.loads(config_file.read_text(encoding="utf-8"))
+        config = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as problem:
         raise error(f"{config_file} is not valid JSON ({problem}); restore the {what}'s folder from its original "
                     f"copy, or save the {what} again.") from None
+    if not isinstance(config, dict):
+        raise error(f"{config_file} holds a JSON {type(config).__name__}, not the object of fields a config.json is; "
+                    f"restore the {what}'s folder from its original copy, or save the {what} again.")
+    return config
 
 
 def read_config(path, options: dict) -> tuple[dict, Path | None]:
@@ -92,22 +97,23 @@ def load_other_layout(cls, path, kwargs: dict):
     return converters.load_layout(path, config, module, expected_class=cls, **kwargs)
 
 
-def check_saved_config(cls, path, kwargs: dict) -> None:
-    """Refuse a drafter folder whose config.json names another architecture, or lacks a field whose default would
-    silently change the drafter's outputs (`config_class.required_saved_fields`). Unreadable folders are left to
-    `from_pretrained`'s own error."""
+def check_saved_config(cls, path, kwargs: dict) -> tuple[dict, str] | None:
+    """Refuse a drafter folder whose config.json names another architecture, lacks a field whose default would
+    silently change the drafter's outputs (`config_class.required_saved_fields`), or has a field of the wrong type,
+    range or consistency (`config_checks`); return (the config.json dict, the name of the file) for the checks of
+    the weights against it. Unreadable folders are left to `from_pretrained`'s own error (None)."""
     folder = Path(path).expanduser() / (kwargs.get("subfolder") or "")
     if folder.is_dir():
         saved = read_folder_config(folder, "drafter", DrafterLoadError)
         if saved is None:
-            return
+            return None
         source = str(folder / "config.json")
     else:
         source = f"config.json of {str(path)!r}"
         try:
             saved, _ = PreTrainedConfig.get_config_dict(path, **{k: kwargs[k] for k in HUB_OPTIONS if k in kwargs})
         except OSError:
-            return
+            return None
     expected = cls.config_class.model_type
     found = saved.get("model_type")
     if found != expected:
@@ -130,6 +136,8 @@ def check_saved_config(cls, path, kwargs: dict) -> None:
     ):
         raise DrafterLoadError(f"{source} has rope_parameters {rope!r} without a rope_theta. "
                                f"{cls.config_class.required_saved_fields['rope_parameters']}")
+    check_config_fields(saved, source, kind=cls.config_class.config_kind)
+    return saved, source
 
 
 __all__ = ["LayoutConverters", "check_saved_config", "install_layout_converters", "load_other_layout", "read_config",

@@ -56,15 +56,6 @@ EMBEDDING_OUTPUT = -1
 """A `target_layer_ids` entry for the target's embedding output (HF `hidden_states[0]`), as in DeepSpec."""
 
 
-def check_target_layer_ids(layer_ids) -> None:
-    """Structural check of a drafter config's `target_layer_ids`: integers, each a decoder layer (>= 0) or
-    `EMBEDDING_OUTPUT` (-1). Whether they fit a given target is `check_drafter_matches_target`'s job."""
-    bad = [i for i in layer_ids if isinstance(i, bool) or not isinstance(i, int) or i < EMBEDDING_OUTPUT]
-    if bad:
-        raise ValueError(f"target_layer_ids must be decoder layer indices (0, 1, ...) or -1 for the embedding "
-                         f"output, got {bad} in {list(layer_ids)}")
-
-
 # Families whose attention normalises queries and keys per head; drafters for them do the same.
 QK_NORM_FAMILIES = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "olmo2", "olmo3"}
 

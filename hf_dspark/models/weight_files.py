@@ -7,12 +7,15 @@ index or `transformers_weights` names: a pickled `weights.bin` (through torch's 
 absolute path outside the folder. `checked_weight_files` resolves the same files the same way (through
 transformers' own `cached_file`, so a Hub id is checked on the index its cache holds) and refuses anything but
 `.safetensors` files inside the folder. `check_floating_weights` (files) and `check_floating_tensors` (tensors
-read) refuse integer tensors stored where the model has floating-point weights (loading would cast them silently)."""
+read) refuse integer tensors stored where the model has floating-point weights (loading would cast them silently).
+`check_fits_before_building`, shared by every layout's reader, compares the stored shapes (`stored_tensor_headers`:
+headers only) with the drafter a config describes, built on the meta device, before any real module exists."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from .errors import DrafterLoadError, UserInputError
@@ -183,17 +186,78 @@ def read_checkpoint_tensors(folder, what: str, fix: str) -> dict:
     return tensors
 
 
-def check_state_fits(expected: dict, state: dict, source, what: str, fix: str, stored_name=lambda name: name) -> None:
+def check_state_fits(expected: dict, state: dict, source, what: str, fix: str, stored_name=lambda name: name,
+                     shapes_only: bool = False) -> None:
     """A converted checkpoint's tensors (`state`, our names) are exactly the model's (`expected`, its state_dict):
     the same names, shapes, and floating point where the model's are, else a `DrafterLoadError` naming them by the
-    checkpoint's own names (`stored_name`) and `fix`. load_state_dict would cast integers silently."""
+    checkpoint's own names (`stored_name`) and `fix`. load_state_dict would cast integers silently. `shapes_only`:
+    the shapes of the tensors both have only (transformers' own loading reports names, `check_floating_weights`
+    dtypes)."""
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
+    if not shapes_only and (missing or unexpected):
         raise DrafterLoadError(
             f"the weights of {source} do not fit the {what} its config.json describes: missing "
             f"{[stored_name(n) for n in missing[:8]]}, unexpected {[stored_name(n) for n in unexpected[:8]]}. {fix}")
     wrong = [f"{stored_name(name)} {tuple(state[name].shape)} stored, {tuple(tensor.shape)} for the config"
-             for name, tensor in expected.items() if state[name].shape != tensor.shape]
+             for name, tensor in expected.items() if name in state and state[name].shape != tensor.shape]
     if wrong:
-        raise DrafterLoadError(f"{source}'s config.json does not describe its weights: {'; '.join(wrong[:4])}. {fix}")
-    check_floating_tensors(state, expected, source, what)
+        raise DrafterLoadError(f"{source}'s config.json does not describe its weights, which have the wrong shape "
+                               f"for it: {'; '.join(wrong[:4])}. {fix}")
+    if not shapes_only:
+        check_floating_tensors(state, expected, source, what)
+
+
+_HEADER_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                  "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def stored_tensor_headers(files: list[str]) -> dict:
+    """Every tensor of the safetensors `files` as an empty meta tensor of its stored shape and dtype, read from the
+    files' headers: no tensor data is read and nothing is allocated (`check_fits_before_building` compares them)."""
+    import torch
+    from safetensors import safe_open
+
+    headers = {}
+    for file in files:
+        with safe_open(file, framework="pt") as stored:
+            for name in stored.keys():
+                part = stored.get_slice(name)
+                kind = part.get_dtype()
+                dtype = getattr(torch, _HEADER_DTYPES.get(kind, "float32" if kind.startswith("F") else "int64"))
+                headers[name] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+    return headers
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def check_fits_before_building(model_class, config, stored: dict, source, what: str, fix: str,
+                               stored_name=lambda name: name, shapes_only: bool = False,
+                               heads: dict | None = None) -> None:
+    """Refuse a config whose drafter would not hold exactly the `stored` tensors (our names; real tensors or the
+    `stored_tensor_headers` of the files) before any module is built, so that config.json sizes that its weights
+    do not have (a vocab_size of 10**12 beside a 350 KB checkpoint) are one `DrafterLoadError`, never an allocation:
+    the decoder layer count from the names alone (a huge one would make even an empty model slow to build), then
+    every shape of the model built on the meta device (no memory), then the stored copies of the target's
+    embedding and LM head (`heads`, (vocab_size or draft_vocab_size, hidden_size)). Arguments as `check_state_fits`.
+    """
+    import torch
+
+    layers = {int(found.group(1)) for name in stored if (found := _LAYER.match(name))}
+    if config.num_hidden_layers != len(layers):
+        raise DrafterLoadError(f"{source}'s config.json has num_hidden_layers={config.num_hidden_layers}, but its "
+                               f"weights hold {len(layers)} decoder layers (layers.<i>.*). {fix}")
+    try:
+        with torch.device("meta"):
+            expected = model_class(config).state_dict()
+    except RuntimeError as error:  # e.g. "Storage size calculation overflowed": sizes no tensor can have
+        raise DrafterLoadError(f"{source}'s config.json describes tensors too large to exist ({error}). {fix}"
+                               ) from None
+    check_state_fits(expected, stored, source, what, fix, stored_name, shapes_only=shapes_only)
+    for name, tensor in (heads or {}).items():
+        rows = (config.vocab_size,) if name.startswith("embed") else (config.vocab_size, config.draft_vocab_size)
+        if tensor.dim() != 2 or tensor.shape[0] not in rows or tensor.shape[1] != config.hidden_size:
+            raise DrafterLoadError(
+                f"{source}'s config.json does not describe its stored {name} {tuple(tensor.shape)}: the target's "
+                f"embedding and LM head are (vocab_size={config.vocab_size}, hidden_size={config.hidden_size}) "
+                f"(an LM head may hold the draft_vocab_size rows only). {fix}")

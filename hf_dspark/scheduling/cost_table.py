@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
+from ..models.drafting_config import cost_table_problem
 from ..models.errors import UserInputError
-from ..models.json_files import read_json
+from ..models.json_files import SMALL_JSON_BYTES, read_json
 
 
 def _is_time(value) -> bool:
@@ -89,18 +90,23 @@ class VerificationCostTable:
 
     @classmethod
     def load(cls, path: str | Path) -> "VerificationCostTable":
-        """The table saved at `path`; a missing, unreadable or malformed file is a `CostTableError` naming it."""
+        """The table saved at `path` (the user's own path, resolved against the working directory): a regular file
+        of at most 1 MiB. A missing, unreadable or malformed file is a `CostTableError` naming it and the field."""
         fix = f"write one with `hf-dspark profile --output {path}`"
-        stored = read_json(path, "cost table", fix, CostTableError)
-        fields = {"seconds", "draft_seconds", "description"}
-        if not isinstance(stored, dict) or "seconds" not in stored or not set(stored) <= fields \
-                or not isinstance(stored["seconds"], list) or not isinstance(stored.get("description", {}), dict):
-            raise CostTableError(f"{path} is not a cost table (a JSON object with a list of 'seconds' and optional "
-                                 f"'draft_seconds' and 'description'); {fix}.")
-        try:
-            return cls(**stored)
-        except ValueError as error:
-            raise CostTableError(f"{path}: {error}") from None
+        stored = read_json(path, "cost table", fix, CostTableError, SMALL_JSON_BYTES)
+        return cls.from_dict(stored, str(path), fix)
+
+    @classmethod
+    def from_dict(cls, stored, source: str, fix: str = "profile one with `hf-dspark profile --output PATH`"
+                  ) -> "VerificationCostTable":
+        """The table whose fields (`asdict(table)`, as saved) are `stored`, checked first: an unknown field or a
+        wrong-typed or out-of-range value is a `CostTableError` naming the field and `source` (the file, or e.g.
+        "generation_config.dspark_cost_table") with `fix`."""
+        problem = cost_table_problem(stored)
+        if problem is not None:
+            raise CostTableError(f"{source} is not a cost table: {problem}; {fix}.")
+        return cls([float(s) for s in stored["seconds"]], float(stored.get("draft_seconds", 0.0)),
+                   dict(stored.get("description", {})))
 
 
 class CostTableError(UserInputError):
@@ -138,7 +144,7 @@ def profile_verification_costs(target, max_tokens: int = 8, context_length: int 
         if batch not in caches:
             prefixes[batch] = torch.randint(0, vocab, (batch, context_length), device=device)
             out = target(input_ids=prefixes[batch], use_cache=True)
-            caches[batch] = getattr(out, "cache", None) or out.past_key_values
+            caches[batch] = out.cache
         return caches[batch]
 
     def timed(fns: list) -> list[float]:

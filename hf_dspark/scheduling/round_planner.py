@@ -10,9 +10,13 @@ learn only when they share the object.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+import numbers
+import re
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from ..models.errors import UserInputError
 from ..models.json_files import read_json
 from .cost_table import VerificationCostTable
 
@@ -232,24 +236,116 @@ class DraftingState:
         return asdict(self.statistics)
 
     @classmethod
-    def from_dict(cls, saved: dict) -> "DraftingState":
-        """The inverse of `to_dict` (JSON keeps dict keys as strings: forward sizes and match lengths are ints)."""
-        saved = dict(saved)
-        suffix = dict(saved.pop("suffix", {}))
-        for name in ("accepted", "reached"):
-            suffix[name] = {int(k): float(v) for k, v in suffix.get(name, {}).items()}
-        saved["forward_seconds"] = {int(k): float(v) for k, v in saved.get("forward_seconds", {}).items()}
-        try:
-            return cls(ProposalStatistics(suffix=SuffixAcceptance(**suffix), **saved))
-        except TypeError as error:
-            raise ValueError(f"not a saved DraftingState ({error}); save one with DraftingState.save(path).") from None
+    def from_dict(cls, saved: dict, source: str = "a saved DraftingState") -> "DraftingState":
+        """The inverse of `to_dict` (JSON keeps dict keys as strings: forward sizes and match lengths are ints), every
+        field checked for its type and range: a `UserInputError` (a ValueError) naming the field, the value and
+        `source` (the file) otherwise, rather than a failure rounds later inside the planner."""
+        return cls(_checked_statistics(saved, source))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1), encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | Path) -> "DraftingState":
-        saved = read_json(path, "drafting state", "save one with DraftingState.save(path)")
-        if not isinstance(saved, dict):
-            raise ValueError(f"{path} is not a saved DraftingState; save one with DraftingState.save(path).")
-        return cls.from_dict(saved)
+        saved = read_json(path, "drafting state", _STATE_FIX)
+        return cls.from_dict(saved, str(path))
+
+
+_STATE_FIX = "save one with DraftingState.save(path)"
+
+
+def _checked_statistics(saved, source: str) -> ProposalStatistics:
+    """`ProposalStatistics` from their saved fields, each checked (see `DraftingState.from_dict`); a field left out
+    keeps its default."""
+    saved = _checked_fields(saved, ProposalStatistics, "", source)
+    suffix = _checked_fields(saved.pop("suffix", {}), SuffixAcceptance, "suffix.", source)
+    check, defaults = _StateCheck(source), SuffixAcceptance()
+    for name in ("prior_accepted", "prior_rejected"):
+        suffix[name] = check.number(suffix, f"suffix.{name}", 0.0, default=getattr(defaults, name))
+    prior = suffix["prior_accepted"] + suffix["prior_rejected"]
+    check.require(prior > 0, "suffix.prior_accepted + suffix.prior_rejected", prior, "> 0")
+    suffix["decay"] = check.number(suffix, "suffix.decay", 0.0, high=1.0, default=defaults.decay)
+    for name in ("accepted", "reached"):
+        suffix[name] = check.counts(suffix, f"suffix.{name}", 0, lambda v, n: check.value(v, n, 0.0))
+    statistics = {
+        "drafter_expected": check.number(saved, "drafter_expected", 1.0, optional=True),
+        "drafter_tokens": check.number(saved, "drafter_tokens", 1.0, optional=True),
+        "rounds_without_drafter": check.integer(saved, "rounds_without_drafter", 0, default=0),
+        "probe_interval": check.integer(saved, "probe_interval", 1, optional=True),
+        "forward_seconds": check.counts(saved, "forward_seconds", 1, lambda v, n: check.value(v, n, 0.0, above=True)),
+        "draft_seconds": check.number(saved, "draft_seconds", 0.0, optional=True),
+    }
+    check.require((statistics["drafter_expected"] is None) == (statistics["drafter_tokens"] is None),
+                  "drafter_tokens", statistics["drafter_tokens"],
+                  "a number when drafter_expected is one and null when it is null")
+    return ProposalStatistics(suffix=SuffixAcceptance(**suffix), **statistics)
+
+
+def _checked_fields(saved, kind, prefix: str, source: str) -> dict:
+    """A copy of `saved`, refused unless it is a dict whose keys are fields of the dataclass `kind`."""
+    names = [f.name for f in fields(kind)]
+    what = prefix.rstrip(".") or "a DraftingState"
+    if not isinstance(saved, dict):
+        raise UserInputError(f"{source}: {what} is a {type(saved).__name__}, not an object of {', '.join(names)}; "
+                             f"{_STATE_FIX}.")
+    unknown = sorted(repr(prefix + str(key))[:60] for key in set(saved) - set(names))
+    if unknown:
+        raise UserInputError(f"{source}: unknown field(s) {', '.join(unknown[:8])} (the "
+                             f"fields of {what} are {', '.join(names)}); {_STATE_FIX}.")
+    return dict(saved)
+
+
+class _StateCheck:
+    """Checks of saved DraftingState fields; each failure is one `UserInputError` naming field, value and source."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def require(self, ok: bool, name: str, value, expected: str) -> None:
+        if not ok:
+            raise UserInputError(f"{self.source}: field {name} is {repr(value)[:80]}, not {expected}; {_STATE_FIX}.")
+
+    def value(self, value, name: str, low: float, above: bool = False, high: float | None = None) -> float:
+        """`value` as a float: a finite number >= low (> low when `above`), <= high when given."""
+        finite = isinstance(value, numbers.Real) and not isinstance(value, bool) and _finite(value)
+        ok = finite and (value > low if above else value >= low) and (high is None or value <= high)
+        self.require(ok, name, value, f"a finite number {'>' if above else '>='} {low}"
+                     + (f" and <= {high}" if high is not None else ""))
+        return float(value)
+
+    def number(self, saved: dict, name: str, low: float, high: float | None = None, optional: bool = False,
+               default: float | None = None):
+        """The float at `saved[name]` (the last part of a dotted name): `default` when left out, None when None
+        and `optional`."""
+        value = saved.get(name.rsplit(".", 1)[-1], default)
+        if value is None and optional:
+            return None
+        return self.value(value, name, low, high=high)
+
+    def integer(self, saved: dict, name: str, low: int, optional: bool = False, default: int | None = None):
+        value = saved.get(name, default)
+        if value is None and optional:
+            return None
+        self.require(isinstance(value, int) and not isinstance(value, bool) and value >= low, name, value,
+                     f"an int >= {low}" + (" or null" if optional else ""))
+        return value
+
+    def counts(self, saved: dict, name: str, low: int, check) -> dict:
+        """`saved[name]` as {int >= low: check(value)}; JSON keeps the int keys as strings of digits."""
+        table = saved.get(name.rsplit(".", 1)[-1], {})
+        self.require(isinstance(table, dict), name, table, f"an object of int keys >= {low}")
+        checked = {}
+        for key, value in table.items():
+            digits = isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,12}", key)
+            number = int(key) if digits else key
+            self.require(isinstance(number, int) and not isinstance(number, bool) and number >= low,
+                         f"{name} key", key, f"an int >= {low}")
+            checked[number] = check(value, f"{name}[{key!r}]")
+        return checked
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False

@@ -100,10 +100,19 @@ def build_target_cache(target, examples, output_dir: str | os.PathLike, target_l
     hidden_indices = [i + 1 for i in target_layer_ids] + [total_layers]
     bar = tqdm(total=sum(len(e["input_ids"]) for i in todo for e in shards[i]), unit="tok", disable=not progress,
                desc="target cache")
-    for index in todo:
-        tensors = _cache_shard(target, shards[index], hidden_indices, max_tokens_per_batch, bar)
-        final_path = output / f"shard-{index:05d}.safetensors"
-        temporary = final_path.with_suffix(".tmp")
+    try:
+        for index in todo:
+            _write_shard(output, index, _cache_shard(target, shards[index], hidden_indices, max_tokens_per_batch, bar))
+    finally:
+        bar.close()  # also on Ctrl-C, so the CLI's one line does not land on the bar's
+    return manifest
+
+
+def _write_shard(output: Path, index: int, tensors: dict) -> None:
+    """Write one shard atomically: a half-written file (a full disk, Ctrl-C) never stays behind."""
+    final_path = output / f"shard-{index:05d}.safetensors"
+    temporary = final_path.with_suffix(".tmp")
+    try:
         try:
             save_file(tensors, str(temporary), metadata={"format_version": str(FORMAT_VERSION)})
         except Exception as error:
@@ -115,9 +124,10 @@ def build_target_cache(target, examples, output_dir: str | os.PathLike, target_l
             raise OutputWriteError(f"writing {final_path.name} to {output} failed: {cause}. Free space or fix that, "
                                    f"then rerun the same command: it keeps the {kept} shards written and resumes "
                                    "at the first missing one.") from error
-        os.replace(temporary, final_path)
-    bar.close()
-    return manifest
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    os.replace(temporary, final_path)
 
 
 @torch.no_grad()

@@ -26,21 +26,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from ..errors import DrafterLoadError, DrafterTargetMismatchError
 from ..configuration_dspark import DSparkDraftConfig
-from ..configuration_eagle3 import Eagle3DraftConfig
 from ..modeling_dspark import DSparkDraftModel
 from ..modeling_eagle3 import Eagle3DraftModel
-from ..weight_files import check_state_fits, read_checkpoint_tensors
+from ..weight_files import check_fits_before_building, read_checkpoint_tensors
+from .deepspec_config import (ARCHITECTURES, DSPARK_ARCHITECTURE, EAGLE3_ARCHITECTURE, MARKOV_TYPES,  # noqa: F401
+                              _architecture, _flag, check_fields_of, dspark_config, eagle3_config)
 
 FORMAT = "deepspec"
-DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
-EAGLE3_ARCHITECTURE = "Qwen3Eagle3Model"
-GEMMA4_ARCHITECTURES = ("Gemma4DSparkModel", "Gemma4Eagle3Model")
-ARCHITECTURES = (DSPARK_ARCHITECTURE, EAGLE3_ARCHITECTURE, *GEMMA4_ARCHITECTURES)
-
 HEAD_NAMES = {  # DeepSpec -> hf_dspark
     "markov_head.markov_w1.weight": "sequential_head.token_embedding.weight",
     "markov_head.markov_w2.weight": "sequential_head.output.weight",
@@ -51,47 +46,11 @@ HEAD_NAMES = {  # DeepSpec -> hf_dspark
     "confidence_head.proj.weight": "confidence_proj.weight",
     "confidence_head.proj.bias": "confidence_proj.bias",
 }
-MARKOV_TYPES = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}  # DeepSpec markov_head_type -> our markov_head
 W1, W2 = "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"
 STORED_HEADS = ("embed_tokens.weight", "lm_head.weight")
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # recomputed from rope_parameters (older transformers saved it)
-
-# --- config.json fields: each one is used, checked, or known not to change the drafter's outputs ---------------
-TARGET_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                       "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "attention_bias")
-"""The target's sizes, copied into our config (the drafter shares the target's embedding and LM head)."""
-ROPE_FIELDS = ("rope_parameters", "rope_theta", "rope_scaling")  # rope_theta/rope_scaling: transformers 4 spelling
-DSPARK_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "markov_rank",
-                 "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor",
-                 "dspark_bonus_anchor", "draft_vocab_size")
-EAGLE3_FIELDS = ("target_layer_ids", "num_target_layers", "ttt_length", "draft_num_hidden_layers",
-                 "eagle_aux_hidden_state_layer_ids", "draft_vocab_size")
-KEPT_FIELDS = ("num_anchors", "step_loss_decay", "target_model_name_or_path")
-"""Training-only DeepSpec fields (anchors per sequence, Eagle3's step loss decay, the target's name): unused here,
-kept in `config.deepspec_fields` so that `hf-dspark convert` writes them back (DeepSpec's loader asserts them)."""
-IRRELEVANT_FIELDS = {
-    # HF bookkeeping (every PreTrainedConfig writes these; none enters the forward)
-    "_name_or_path", "transformers_version", "dtype", "torch_dtype", "auto_map", "id2label", "label2id",
-    "problem_type", "return_dict", "output_attentions", "output_hidden_states", "chunk_size_feed_forward",
-    "is_encoder_decoder",
-    # generation / tokenizer / initialisation / training settings of the copied target config
-    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
-    # the stored embed_tokens and lm_head are separate tensors whatever the target tied
-    "tie_word_embeddings",
-    # only read for sliding-window layers, which `_check_fields` refuses
-    "sliding_window", "max_window_layers",
-}
-CHECKED_FIELDS = ("architectures", "model_type", "num_hidden_layers", "layer_types", "use_sliding_window")
-"""Read to pick and size the drafter, or checked to hold the value our layers assume (full attention only)."""
-
-UNSUPPORTED_GEMMA4 = (
-    "{architecture} is DeepSpec's drafter for Gemma4 targets, whose layers differ from the Qwen3-style layers of "
-    "hf_dspark's drafters: attention with scaling 1.0, an unscaled RMSNorm on the values, values equal to the keys "
-    "when attention_k_eq_v is set, global_head_dim / num_global_key_value_heads, sandwich norms "
-    "(post_attention, pre_ and post_feedforward layernorms), a per-layer layer_scalar, embeddings scaled by "
-    "sqrt(hidden_size) and final_logit_softcapping. Supporting it would take those options in "
-    "DSparkDraftConfig / Eagle3DraftConfig and their layers; until then it is refused rather than loaded wrong."
-)
+FIX = ("Fix config.json to the checkpoint it was saved with (markov_rank, markov_head_type, enable_confidence_head, "
+       "num_hidden_layers; fc fuses len(target_layer_ids) target layers).")
 
 
 def matches(config: dict) -> bool:
@@ -104,22 +63,27 @@ def matches(config: dict) -> bool:
 def load(folder: Path, config: dict) -> DSparkDraftModel | Eagle3DraftModel:
     """The drafter in `folder` (config.json already read into `config`), converted strictly: every tensor of ours
     filled from the checkpoint, every stored tensor used, every config field accounted for. Stored copies of the
-    target's embedding and LM head are attached with `attach_stored_heads`, so no target is needed to run it."""
+    target's embedding and LM head are attached with `attach_stored_heads`, so no target is needed to run it.
+    Every field is checked before a tensor is read, and every shape before the drafter is built."""
     folder = Path(folder)
     source = str(folder / "config.json")
     architecture = _architecture(config, source)
+    check_fields_of(config, source, architecture)
     weights = read_checkpoint_tensors(folder, "DeepSpec drafter", "save the drafter with DeepSpec's save_pretrained")
     if architecture == EAGLE3_ARCHITECTURE:
-        drafter = Eagle3DraftModel(eagle3_config(config, source))
+        model_class, ours = Eagle3DraftModel, eagle3_config(config, source)
     else:
         zero_head = _is_zero_vanilla_head(config, weights)
-        ours = dspark_config(config, source, zero_markov_head=zero_head)
+        model_class, ours = DSparkDraftModel, dspark_config(config, source, zero_markov_head=zero_head)
         ours.markov_w1_full_vocab = ours.markov_head is not None and _rows_differ_outside(weights, config)
-        drafter = DSparkDraftModel(ours)
-        weights = _dspark_weights(config, weights, drafter.config, source, zero_head)
+        weights = _dspark_weights(config, weights, ours, source, zero_head)
     heads = {name: weights.pop(name) for name in STORED_HEADS if name in weights}
-    state = _our_state(weights, drafter.config, source)
-    _load_strictly(drafter, state, source)
+    state = _our_state(weights, ours, source)
+    theirs = {ours_name: their_name for their_name, ours_name in HEAD_NAMES.items()}
+    check_fits_before_building(model_class, ours, state, folder, "DeepSpec drafter", FIX,
+                               stored_name=lambda name: theirs.get(name, name), heads=heads)
+    drafter = model_class(ours)
+    drafter.load_state_dict(state, strict=True)
     dtype = _kept_dtype([*state.values(), *heads.values()])
     drafter.to(dtype)
     # Gemma targets scale their embedding by sqrt(hidden_size) inside the embedding module, so a plain lookup of
@@ -127,179 +91,6 @@ def load(folder: Path, config: dict) -> DSparkDraftModel | Eagle3DraftModel:
     if heads and not str(config.get("model_type", "qwen3")).startswith("gemma"):
         _attach_heads(drafter, heads, dtype, source)
     return drafter.eval()
-
-
-def _architecture(config: dict, source: str) -> str:
-    architectures = config.get("architectures") or []
-    ours = [name for name in architectures if name in ARCHITECTURES]
-    if len(architectures) != 1 or not ours:
-        raise DrafterLoadError(f"{source} lists architectures {architectures}; a DeepSpec drafter names exactly one "
-                               f"of {list(ARCHITECTURES)}. Fix the field to the class that saved the checkpoint.")
-    if ours[0] in GEMMA4_ARCHITECTURES:
-        raise DrafterLoadError(f"{source}: architectures {ours}: " + UNSUPPORTED_GEMMA4.format(architecture=ours[0]))
-    return ours[0]
-
-
-def _check_fields(config: dict, source: str, drafter_fields: tuple[str, ...], required: tuple[str, ...]) -> None:
-    """Refuse any field we cannot account for (it might change the drafter's outputs), a missing required one, and
-    sliding-window layers."""
-    _require(config, source, ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size",
-                              "num_hidden_layers", *required))
-    known = {*TARGET_SHAPE_FIELDS, *ROPE_FIELDS, *drafter_fields, *KEPT_FIELDS, *IRRELEVANT_FIELDS, *CHECKED_FIELDS}
-    known |= _target_class_fields(config)
-    unknown = sorted(name for name in config if name not in known)
-    if unknown:
-        raise DrafterLoadError(
-            f"{source} has field(s) {unknown} that hf_dspark's DeepSpec reader does not know, so it cannot tell "
-            "whether they change the drafter's outputs and refuses rather than ignore them. If a field only "
-            "records training or bookkeeping, delete it from config.json; otherwise the layout needs support in "
-            "hf_dspark/models/formats/deepspec.py.")
-    layer_types = config.get("layer_types")
-    if config.get("use_sliding_window") or (layer_types and set(layer_types) != {"full_attention"}):
-        raise DrafterLoadError(
-            f"{source} has sliding-window draft layers (use_sliding_window={config.get('use_sliding_window')}, "
-            f"layer_types={layer_types}); DeepSpec builds full-attention drafters and hf_dspark's attend to the whole "
-            "context. Supporting it would take a sliding-window option in the drafter's attention.")
-    if layer_types is not None and len(layer_types) != config["num_hidden_layers"]:
-        raise DrafterLoadError(f"{source} has {len(layer_types)} layer_types for num_hidden_layers="
-                               f"{config['num_hidden_layers']}; fix config.json to the checkpoint's depth.")
-
-
-def _require(config: dict, source: str, names) -> None:
-    missing = [name for name in names if name not in config]
-    if missing:
-        raise DrafterLoadError(f"{source} lacks {missing}, which DeepSpec writes (the target's sizes and the "
-                               "drafter's fields); restore them from the target's config and the training config.")
-
-
-def _target_class_fields(config: dict) -> set[str]:
-    """Fields of the copied target config's own class when it is not Qwen3's (hf_dspark exports drafters of other
-    qk-normed families in this layout, e.g. Gemma3): hf_dspark's drafter reads only their shared sizes, as it does
-    for a drafter trained here for that target. DeepSpec's own checkpoints are always `model_type: qwen3`."""
-    model_type = config.get("model_type", "qwen3")
-    if model_type == "qwen3":
-        return set()
-    try:
-        return set(AutoConfig.for_model(model_type).to_dict())
-    except (ValueError, KeyError):
-        return set()
-
-
-def _flag(config: dict, name: str, source: str) -> bool | None:
-    """A boolean field however JSON-ish tools wrote it; None when absent. Anything else is refused: guessing a
-    slot-convention flag could silently ruin the drafter."""
-    value = config.get(name)
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
-        return value.strip().lower() in ("true", "1", "yes")
-    raise DrafterLoadError(f"{source} has {name}={value!r}, which is not a boolean; write true or false.")
-
-
-def _sample_from_anchor(config: dict, source: str) -> bool:
-    """DeepSpec's convention (slot k predicts anchor + k + 1) unless the config says slot j predicts anchor + j:
-    `sample_from_anchor: false`, or vLLM's `dspark_bonus_anchor: true` (the anchor as a separate bonus slot)."""
-    from_anchor, bonus = _flag(config, "sample_from_anchor", source), _flag(config, "dspark_bonus_anchor", source)
-    if from_anchor is not None and bonus is not None and from_anchor == bonus:
-        raise DrafterLoadError(f"{source} has sample_from_anchor={from_anchor} and dspark_bonus_anchor={bonus}, which "
-                               "contradict each other (a bonus anchor means slot j predicts anchor + j); keep one.")
-    if from_anchor is not None:
-        return from_anchor
-    return not bonus
-
-
-def _target_config(config: dict, source: str):
-    """The target's config rebuilt from the copied fields (depth: `num_target_layers`)."""
-    model_type = config.get("model_type", "qwen3")
-    fields = {name: config[name] for name in (*TARGET_SHAPE_FIELDS, *_target_class_fields(config))
-              if name in config and name not in ("model_type", "architectures", "num_hidden_layers", "layer_types")}
-    fields["rope_parameters"] = _rope_parameters(config, source)
-    for name in ("rope_theta", "rope_scaling"):
-        fields.pop(name, None)
-    depth = config.get("num_target_layers")
-    if depth is not None:
-        fields["num_hidden_layers"] = depth
-    try:
-        return AutoConfig.for_model(model_type, **fields), depth
-    except (ValueError, KeyError, TypeError) as error:
-        raise DrafterLoadError(f"{source} has model_type {model_type!r}, whose config cannot be rebuilt from the "
-                               f"copied target fields ({error}).") from None
-
-
-def _rope_parameters(config: dict, source: str) -> dict:
-    """`rope_parameters`, or the transformers 4 fields hf_dspark's exports also write (which must then agree)."""
-    rope, theta, scaling = config.get("rope_parameters"), config.get("rope_theta"), config.get("rope_scaling")
-    if rope is None:
-        rope = {"rope_type": "default", **(scaling or {}), "rope_theta": theta if theta is not None else 10000.0}
-        rope["rope_type"] = rope.pop("type", rope["rope_type"])
-    full = rope.get("full_attention", rope)  # per-layer-type rope (Gemma): drafters use the full-attention one
-    if theta is not None and full.get("rope_theta") != theta:
-        raise DrafterLoadError(f"{source} has rope_theta={theta} but rope_parameters={rope}; they disagree, so the "
-                               "drafter's positions are unknown. Keep the target's value in both.")
-    return rope
-
-
-def _kept_fields(config: dict) -> dict | None:
-    return {name: config[name] for name in KEPT_FIELDS if name in config} or None
-
-
-def _draft_vocab_size(config: dict) -> int | None:
-    size = config.get("draft_vocab_size")
-    return size if size and size < config["vocab_size"] else None
-
-
-def dspark_config(config: dict, source: str = "checkpoint", *, zero_markov_head: bool = False) -> DSparkDraftConfig:
-    """Our `DSparkDraftConfig` for a DeepSpec `Qwen3DSparkModel` config.json. `zero_markov_head`: the checkpoint's
-    vanilla Markov head has W1 = 0 (how hf_dspark exports DFlash), so it adds nothing and the drafter is DFlash."""
-    _check_fields(config, source, DSPARK_FIELDS, required=("block_size", "mask_token_id", "target_layer_ids"))
-    rank = int(config.get("markov_rank") or 0)
-    head_type = config.get("markov_head_type", "vanilla")
-    if rank and head_type not in MARKOV_TYPES:
-        raise DrafterLoadError(f"{source} has markov_head_type={head_type!r}; DeepSpec's heads are "
-                               f"{sorted(MARKOV_TYPES)}, which hf_dspark reads. Another head needs its own support.")
-    confidence = bool(_flag(config, "enable_confidence_head", source))
-    if confidence and _flag(config, "confidence_head_with_markov", source) and not rank:
-        raise DrafterLoadError(f"{source} has confidence_head_with_markov true without a Markov head (markov_rank "
-                               "0); DeepSpec itself refuses that. Set it false for a DFlash drafter.")
-    if zero_markov_head:
-        rank = 0  # W1 = 0: no bias and nothing for the confidence head to read, i.e. DFlash
-    target, depth = _target_config(config, source)
-    return DSparkDraftConfig.from_target_config(
-        target, num_hidden_layers=config["num_hidden_layers"], target_num_hidden_layers=depth,
-        block_size=config["block_size"], sample_from_anchor=_sample_from_anchor(config, source),
-        target_layer_ids=list(config["target_layer_ids"]), mask_token_id=config["mask_token_id"],
-        markov_head=MARKOV_TYPES[head_type] if rank else None, markov_rank=rank, confidence_head=confidence,
-        qk_norm=True, attention_bias=bool(config.get("attention_bias", False)),
-        draft_vocab_size=_draft_vocab_size(config),
-        confidence_threshold_rule="per_slot",  # DeepSpec's --confidence-threshold compares each slot's own c_k
-        deepspec_fields=_kept_fields(config))
-
-
-def eagle3_config(config: dict, source: str = "checkpoint") -> Eagle3DraftConfig:
-    """Our `Eagle3DraftConfig` for a DeepSpec `Qwen3Eagle3Model` config.json (`ttt_length` is our `block_size`)."""
-    _check_fields(config, source, EAGLE3_FIELDS, required=("ttt_length", "target_layer_ids"))
-    layers = config.get("num_hidden_layers")
-    if layers != 1 or config.get("draft_num_hidden_layers", 1) != 1:
-        raise DrafterLoadError(
-            f"{source} has num_hidden_layers={layers} (draft_num_hidden_layers="
-            f"{config.get('draft_num_hidden_layers')}): DeepSpec's Eagle3 feeds [embedding ; hidden] to every layer "
-            "(and its evaluator runs only 1), while hf_dspark's Eagle3DraftModel feeds it to the first layer only. "
-            "Supporting deeper ones would take an Eagle3DraftConfig option giving every layer the embedding input.")
-    layer_ids = list(config["target_layer_ids"])
-    if len(layer_ids) < 2:
-        raise DrafterLoadError(f"{source} has target_layer_ids={layer_ids}; DeepSpec's Eagle3 fuses several target "
-                               "layers (5), and with one its chain steps would re-project their own states through fc.")
-    aux = config.get("eagle_aux_hidden_state_layer_ids")
-    if aux is not None and list(aux) != [i + 1 for i in layer_ids]:
-        raise DrafterLoadError(f"{source} has eagle_aux_hidden_state_layer_ids={aux}, not target_layer_ids + 1 "
-                               f"({[i + 1 for i in layer_ids]}); fix the one that does not match the training.")
-    target, depth = _target_config(config, source)
-    return Eagle3DraftConfig.from_target_config(
-        target, num_hidden_layers=1, target_num_hidden_layers=depth, block_size=config["ttt_length"],
-        target_layer_ids=layer_ids, qk_norm=True, attention_bias=bool(config.get("attention_bias", False)),
-        draft_vocab_size=_draft_vocab_size(config), deepspec_fields=_kept_fields(config))
 
 
 def _is_zero_vanilla_head(config: dict, weights: dict) -> bool:
@@ -318,11 +109,13 @@ def _dspark_weights(config: dict, weights: dict, ours: DSparkDraftConfig, source
         weights.pop(W2, None)
         if proj is not None:
             weights["confidence_head.proj.weight"] = proj[:, : ours.hidden_size].contiguous()
-    elif proj is not None and ours.markov_head is not None and not _flag(config, "confidence_head_with_markov", source):
+    elif (proj is not None and ours.markov_head is not None and W1 in weights and weights[W1].dim() == 2
+          and not _flag(config, "confidence_head_with_markov", source)):
         # DeepSpec's confidence head may read h_k alone; ours reads [h_k ; W1[x_{k-1}]] whenever there is a Markov
-        # head. Zero columns for W1[x] give exactly the same logit.
+        # head. Zero columns for W1[x] give exactly the same logit (as many as the stored W1 has: a rank that
+        # config.json gets wrong is refused by the shape check, never allocated).
         weights["confidence_head.proj.weight"] = torch.cat(
-            [proj, proj.new_zeros(proj.shape[0], ours.markov_rank)], dim=1)
+            [proj, proj.new_zeros(proj.shape[0], weights[W1].shape[1])], dim=1)
     return weights
 
 
@@ -359,9 +152,12 @@ def _draft_to_target(weights: dict, config, source: str) -> torch.Tensor:
                                "twice to one token; the checkpoint is corrupt.")
     mask = weights.pop("t2d", None)
     if mask is not None:
+        if tuple(mask.shape) != (config.vocab_size,):  # before a vocab_size-long mask is made to compare it with
+            raise DrafterLoadError(f"{source}: t2d has shape {tuple(mask.shape)}, not (vocab_size,) = "
+                                   f"({config.vocab_size},); config.json's vocab_size or the weights are wrong.")
         expected = torch.zeros(config.vocab_size, dtype=torch.bool)
         expected[ids] = True
-        if mask.shape != expected.shape or not torch.equal(mask.bool(), expected):
+        if not torch.equal(mask.bool(), expected):
             raise DrafterLoadError(f"{source}: t2d does not mark exactly the tokens d2t maps to; the checkpoint is "
                                    "corrupt (re-export it).")
     return ids
@@ -386,15 +182,6 @@ def _compress_rows(w1_full: torch.Tensor, draft_to_target: torch.Tensor, source:
     others = w1_full[outside]
     shared = others[:1] if len(others) else w1_full.new_zeros(1, w1_full.shape[1])
     return torch.cat([w1_full[draft_to_target], shared])
-
-
-def _load_strictly(drafter, state: dict, source: str) -> None:
-    theirs = {ours: theirs for theirs, ours in HEAD_NAMES.items()}
-    check_state_fits(drafter.state_dict(), state, Path(source).parent, "DeepSpec drafter",
-                     "Fix config.json to the checkpoint it was saved with (markov_rank, markov_head_type, "
-                     "enable_confidence_head, num_hidden_layers; fc fuses len(target_layer_ids) target layers).",
-                     stored_name=lambda name: theirs.get(name, name))
-    drafter.load_state_dict(state, strict=True)
 
 
 def _kept_dtype(tensors) -> torch.dtype:

@@ -31,14 +31,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PreTrainedConfig
 
+from ..config_checks import BLOCK, BOOLEAN, FROM_WEIGHTS, MAX_BLOCK_SIZE, check_config_fields, flag, integer, refusal
 from ..errors import DrafterLoadError
 from ..configuration_dspark import DSparkDraftConfig
 from ..configuration_eagle3 import Eagle3DraftConfig
 from ..modeling_dspark import DSparkDraftModel
 from ..modeling_eagle3 import Eagle3DraftModel
-from ..weight_files import check_state_fits, read_checkpoint_tensors
+from ..weight_files import check_fits_before_building, read_checkpoint_tensors
 
 FORMAT = "speculators"
 WRITTEN_VERSION = "0.9.0"
@@ -74,6 +76,15 @@ _RENAMED = {f"{theirs}.{param}": f"{ours}.{param}" for theirs, ours, params in (
 _OURS_TO_THEIRS = {ours: theirs for theirs, ours in _RENAMED.items()}
 _W1 = "sequential_head.token_embedding.weight"
 _W2 = "sequential_head.output.weight"
+_RULES = {  # speculators' own top-level fields (the shared ones, block_size, dtype, ..., are config_checks')
+    "markov_rank": (integer(0), FROM_WEIGHTS), "mask_token_id": (integer(0, optional=True), FROM_WEIGHTS),
+    "target_hidden_size": (integer(1, optional=True), "write the verifier's hidden_size, or null"),
+    **{name: (flag(), BOOLEAN) for name in ("enable_confidence_head", "confidence_head_with_markov",
+                                             "sliding_window_non_causal", "norm_before_residual", "norm_before_fc",
+                                             "fc_norm", "norm_output", "embed_requires_grad")},
+}
+_LAYER_FIX = ("Re-save it with speculators' save_pretrained, or fix config.json (transformer_layer_config, "
+              "draft_vocab_size, aux layer ids) to match the weights.")
 DFLASH2_REFUSAL = (
     "speculators_model_type 'dflash2' (DFlash2) adds to the DFlash backbone a token-conditioned grouped causal "
     "convolution inside each draft block in every layer (conv_kernel_size, conv_group_size) and a low-rank candidate "
@@ -108,12 +119,17 @@ def load(folder: str | Path, config: dict) -> DSparkDraftModel | Eagle3DraftMode
         raise _refuse(source, f"field(s) {unknown}", f"are not part of speculators 0.9.0's {kind} layout and "
                       "hf_dspark does not know what they change; remove them if they are bookkeeping, else the "
                       "checkpoint needs a newer hf_dspark.")
+    check_config_fields(config, source, skip=("transformer_layer_config", "speculators_config"), rules=_RULES)
     layer = _layer_config(config, kind, source)
     shapes = _shape_fields(layer, kind, settings, source)
-    weights = read_checkpoint_tensors(folder, "speculators drafter", "save the drafter with speculators' save_pretrained")
+    weights = read_checkpoint_tensors(folder, "speculators drafter",
+                                      "save the drafter with speculators' save_pretrained")
     build = _eagle3_drafter if kind == "eagle3" else _block_drafter
-    drafter, state, heads = build(settings, shapes, weights, source)
-    _load_strictly(drafter, state, source)
+    model_class, ours, state, heads = build(settings, shapes, weights, source)
+    check_fits_before_building(model_class, ours, state, source.parent, "speculators drafter", _LAYER_FIX,
+                               stored_name=lambda name: _OURS_TO_THEIRS.get(name, name), heads=heads)
+    drafter = model_class(ours)
+    drafter.load_state_dict({n: t.to(torch.float32) if t.is_floating_point() else t for n, t in state.items()})
     _attach_stored_heads(drafter, heads, source)
     return drafter.eval()
 
@@ -137,9 +153,10 @@ def _layer_config(config: dict, kind: str, source) -> PreTrainedConfig:
     if unknown:
         raise _refuse(source, f"transformer_layer_config field(s) {unknown}", f"are unknown to transformers' "
                       f"{config_class.__name__}; hf_dspark does not know what they change.")
+    check_config_fields(raw, source, prefix="transformer_layer_config.")
     try:
         return config_class(**{k: v for k, v in raw.items() if k != "model_type"})
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, StrictDataclassError) as error:
         raise _refuse(source, "transformer_layer_config", f"is not a valid {config_class.__name__} ({error}).") \
             from None
 
@@ -192,7 +209,7 @@ def _shape_fields(layer, kind: str, settings: dict, source) -> dict:
 def _our_config(config_class, fields: dict, source):
     try:
         return config_class(**fields)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, StrictDataclassError) as error:
         raise DrafterLoadError(f"{source} describes no valid {config_class.__name__}: {error}") from None
 
 
@@ -223,11 +240,12 @@ def _block_drafter(settings: dict, shapes: dict, weights: dict, source):
             config = _our_config(DSparkDraftConfig, {**config.to_dict(), "markov_w1_full_vocab": True}, source)
         else:
             state[_W1] = compressed
-    if confidence and rank and not settings["confidence_head_with_markov"]:
-        # Their head reads h_k alone; ours also reads W1[x_{k-1}]: zero columns for it give the same logit.
-        proj = state["confidence_proj.weight"]
-        state["confidence_proj.weight"] = torch.cat([proj, proj.new_zeros(proj.shape[0], rank)], dim=1)
-    return DSparkDraftModel(config), state, heads
+    proj, w1 = state.get("confidence_proj.weight"), state.get(_W1)
+    if confidence and rank and not settings["confidence_head_with_markov"] and proj is not None and w1 is not None:
+        # Their head reads h_k alone; ours also reads W1[x_{k-1}]: zero columns for it give the same logit (as many
+        # as the stored W1 has: a wrong markov_rank is refused by the shape check, never allocated).
+        state["confidence_proj.weight"] = torch.cat([proj, proj.new_zeros(proj.shape[0], w1.shape[-1])], dim=1)
+    return DSparkDraftModel, config, state, heads
 
 
 def _eagle3_drafter(settings: dict, shapes: dict, weights: dict, source):
@@ -243,18 +261,25 @@ def _eagle3_drafter(settings: dict, shapes: dict, weights: dict, source):
         if settings[field]:
             raise _refuse(source, field, f"is true; hf_dspark's Eagle3DraftModel does not compute it. Supporting it "
                           f"would take {support} in Eagle3DraftModel.")
-    config = _our_config(Eagle3DraftConfig, {**shapes, "block_size": _speculative_tokens(settings)}, source)
+    config = _our_config(Eagle3DraftConfig, {**shapes, "block_size": _speculative_tokens(settings, source)}, source)
     state, heads = _renamed(weights, config, source)
-    return Eagle3DraftModel(config), state, heads
+    return Eagle3DraftModel, config, state, heads
 
 
-def _speculative_tokens(settings: dict) -> int:
+def _speculative_tokens(settings: dict, source) -> int:
     """`speculative_tokens` of the checkpoint's default proposal method (speculators' default: 5)."""
     proposals = settings.get("speculators_config") or {}
+    if not isinstance(proposals, dict) or not isinstance(proposals.get("proposal_methods") or [], list):
+        raise _refuse(source, "speculators_config", "is not speculators' object of proposal methods; restore it.")
     wanted = proposals.get("default_proposal_method")
     for method in proposals.get("proposal_methods") or []:
-        if method.get("proposal_type") == wanted and isinstance(method.get("speculative_tokens"), int):
-            return method["speculative_tokens"]
+        if isinstance(method, dict) and method.get("proposal_type") == wanted and "speculative_tokens" in method:
+            tokens = method["speculative_tokens"]
+            problem = integer(1, MAX_BLOCK_SIZE)(tokens)
+            if problem:
+                raise refusal(str(source), "speculators_config.proposal_methods[].speculative_tokens", tokens,
+                              problem, BLOCK)
+            return tokens
     return 5
 
 
@@ -290,9 +315,11 @@ def _draft_vocabulary(weights: dict, config, source) -> torch.Tensor | None:
     if int(ids.min()) < 0 or int(ids.max()) >= vocab or ids.unique().numel() != size:
         raise _refuse(source, "d2t", f"maps draft tokens to ids outside 0..{vocab - 1} or to one id twice.")
     if mask is not None:
+        if tuple(mask.shape) != (vocab,):  # before a vocab-long mask is made to compare it with
+            raise _refuse(source, "t2d", f"has shape {tuple(mask.shape)}, not (vocab_size,) = ({vocab},).")
         expected = torch.zeros(vocab, dtype=torch.bool)
         expected[ids] = True
-        if tuple(mask.shape) != (vocab,) or not torch.equal(mask.bool(), expected):
+        if not torch.equal(mask.bool(), expected):
             raise _refuse(source, "t2d", "does not mark exactly the target ids d2t maps to.")
     return ids
 
@@ -307,14 +334,6 @@ def _shared_outside_rows(w1_full: torch.Tensor, draft_to_target: torch.Tensor) -
         return None
     shared = others[:1] if len(others) else w1_full.new_zeros(1, w1_full.shape[1])
     return torch.cat([w1_full[draft_to_target], shared])
-
-
-def _load_strictly(drafter, state: dict, source) -> None:
-    check_state_fits(drafter.state_dict(), state, source.parent, "speculators drafter",
-                     "Re-save it with speculators' save_pretrained, or fix config.json (transformer_layer_config, "
-                     "draft_vocab_size, aux layer ids) to match the weights.",
-                     stored_name=lambda name: _OURS_TO_THEIRS.get(name, name))
-    drafter.load_state_dict({n: t.to(torch.float32) if t.is_floating_point() else t for n, t in state.items()})
 
 
 def _attach_stored_heads(drafter, heads: dict, source) -> None:

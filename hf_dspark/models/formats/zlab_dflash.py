@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
+from ..config_checks import check_config_fields
 from ..errors import DrafterLoadError
 from ..target_info import EMBEDDING_OUTPUT
 from ..configuration_dspark import DSparkDraftConfig
 from ..modeling_dspark import DSparkDraftModel
-from ..weight_files import check_state_fits, read_checkpoint_tensors
+from ..weight_files import check_fits_before_building, read_checkpoint_tensors
 
 FORMAT = "zlab_dflash"
 
@@ -79,10 +80,17 @@ def load(folder: Path, config: dict) -> DSparkDraftModel:
     source = f"{folder / 'config.json'}"
     _refuse_trainer_pickles(folder)
     settings = _draft_settings(config, source)
+    # Every value as z-lab's code reads it (dflash_config over the top level), before anything is built; z-lab's
+    # own settings keep their own checks (a soft cap <= 0 means none; attention kinds are named below).
+    check_config_fields({**config, **settings}, source, aliases={"num_target_layers": "target_num_hidden_layers"},
+                        skip=("dflash_config", "final_logit_softcapping"))
     qwen3 = _qwen3_config(config, source)
     _refuse_unsupported(config, settings, qwen3, source)
-    drafter = DSparkDraftModel(_our_config(config, settings, qwen3, source))
-    state = _read_weights(folder, drafter)
+    ours = _our_config(config, settings, qwen3, source)
+    state = read_checkpoint_tensors(folder, "z-lab DFlash drafter", "save the drafter with z-lab's save_pretrained")
+    check_fits_before_building(DSparkDraftModel, ours, state, folder, "z-lab DFlash drafter",
+                               "Restore the folder (config.json and weights) as z-lab's save_pretrained wrote it.")
+    drafter = DSparkDraftModel(ours)
     multiplier = settings.get("output_multiplier", 1.0)
     if multiplier != 1.0:
         # z-lab scales the logits W (g * x_hat); logits are linear in the final norm's weight g: fold it in.
@@ -137,7 +145,7 @@ def _qwen3_config(config: dict, source: str):
             "could change what the drafter computes, so it is refused.")
     try:
         return Qwen3Config.from_dict(dict(config))
-    except (ValueError, TypeError, KeyError) as error:
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as error:
         raise DrafterLoadError(f"{source} is not a valid Qwen3 config ({error}); restore the config.json saved "
                                "with the drafter.") from None
 
@@ -262,11 +270,3 @@ def _refuse_trainer_pickles(folder: Path) -> None:
             f"{folder / 'embeddings.pt'} is a torch pickle (hf_dspark never unpickles one) holding an input "
             "embedding and LM head its trainer trained with the drafter, while hf_dspark's drafter, like z-lab's, "
             "drafts with its target's own. Use a drafter trained with the target's embedding and LM head frozen.")
-
-
-def _read_weights(folder: Path, drafter: DSparkDraftModel) -> dict[str, torch.Tensor]:
-    """Every stored tensor, checked to be exactly our drafter's weights (names, shapes, floating point)."""
-    state = read_checkpoint_tensors(folder, "z-lab DFlash drafter", "save the drafter with z-lab's save_pretrained")
-    check_state_fits(drafter.state_dict(), state, folder, "z-lab DFlash drafter",
-                     "Restore the folder (config.json and weights) as z-lab's save_pretrained wrote it.")
-    return state
