@@ -156,11 +156,21 @@ class BatchRows:
 
     def stage_context(self, features: torch.Tensor, valid: torch.BoolTensor, positions: torch.LongTensor,
                       width: int) -> None:
-        """Queue the target features of the entries that just became valid for the next backbone pass: the first
-        `width` columns (the caller knows how many some row uses, from values it has read). The others are zeroed
-        where invalid, so no stray value at a padded position (masked, but multiplied by a zero attention weight)
-        can turn into NaN inside attention."""
+        """Queue the target features of the entries that just became valid for the next backbone pass, after any
+        still queued (rounds that drafted nothing leave the drafter idle): the first `width` columns (the caller
+        knows how many some row uses, from values it has read). The others are zeroed where invalid, so no stray
+        value at a padded position (masked, but multiplied by a zero attention weight) can turn into NaN inside
+        attention."""
         valid = valid[:, :width]
-        self.pending = torch.where(valid[..., None], features[:, :width], 0.0)
-        self.pending_valid = valid
-        self.pending_positions = positions[:, :width]
+        features = torch.where(valid[..., None], features[:, :width], 0.0)
+        positions = positions[:, :width]
+        if self.pending.shape[1]:
+            features = torch.cat([self.pending, features], dim=1)
+            valid = torch.cat([self.pending_valid, valid], dim=1)
+            positions = torch.cat([self.pending_positions, positions], dim=1)
+        self.pending, self.pending_valid, self.pending_positions = features, valid, positions
+
+    def take_context(self) -> None:
+        """The queued context went into the drafter's cache: nothing is queued any more."""
+        self.pending, self.pending_valid = self.pending[:, :0], self.pending_valid[:, :0]
+        self.pending_positions = self.pending_positions[:, :0]

@@ -68,6 +68,7 @@ def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor,
                   context_position_ids=rows.pending_positions, attention_mask=mask, cache=rows.draft_cache,
                   cached_position_ids=rows.draft_valid.long().cumsum(dim=1) - 1)
     rows.draft_valid = context_valid  # the queued context is in the cache now; verification queues the next
+    rows.take_context()
     tokens, probs, confidences = draft_block(drafter, out, rows.anchor, slots, sampling, generator)
     return Drafts(tokens, probs, rule.lengths(confidences, budget), confidences)
 
@@ -333,14 +334,13 @@ class SpeculativeEngine:
         """One draft-verify round for every running row; retires and returns the requests it finished.
 
         The device is read twice: the verified lengths (and confidences), then the accepted counts and tokens."""
-        rows = self._rows
-        request_ids = rows.request_ids
+        rows, request_ids = self._rows, self._rows.request_ids
         requests = [self._requests[r] for r in request_ids]
         sampling = self._row_sampling(request_ids)
         # Every round emits at least one token, so a row drafts at most (tokens left - 1).
         budgets = [max(0, min(self.gamma, q.max_new_tokens - q.emitted - 1)) for q in requests]
-        if not self.rule.needs_drafts():
-            project_context(self.drafter, rows)  # keep the drafter's context current; nothing is drafted
+        if max(budgets) == 0 or not self.rule.needs_drafts():
+            # Nothing is drafted, so the drafter does not run: the context stays queued for its next pass.
             drafts = Drafts.empty(len(rows), rows.anchor.device)
             lengths, confidences = [0] * len(rows), [[] for _ in rows.request_ids]
         else:

@@ -106,8 +106,7 @@ def project_context(drafter: DSparkDraftModel, rows: BatchRows) -> None:
     drafter(input_ids=block, target_hidden_states=rows.pending, position_ids=rows.target_length[:, None],
             context_position_ids=rows.pending_positions, cache=rows.draft_cache)
     rows.draft_valid = torch.cat([rows.draft_valid, rows.pending_valid], dim=1)
-    rows.pending, rows.pending_valid = rows.pending[:, :0], rows.pending_valid[:, :0]
-    rows.pending_positions = rows.pending_positions[:, :0]
+    rows.take_context()
 
 
 def verify_round(target, rows: BatchRows, drafts: Drafts, width: int, layer_indices, sampling: RowSampling,
