@@ -53,13 +53,12 @@ def _regenerate(args) -> str:
 
 
 def _cache(args) -> str:
+    from hf_dspark.training.target_cache import MANIFEST, shard_count
+
     output = Path(args.output)
     shards = len(list(output.glob("shard-*.safetensors"))) if output.is_dir() else 0
-    manifest = output / "manifest.json"
-    total = ""
-    if manifest.is_file():
-        settings = json.loads(manifest.read_text())
-        total = f" of {-(-settings['num_examples'] // settings['shard_size'])}"
+    manifest = output / MANIFEST
+    total = f" of {shard_count(json.loads(manifest.read_text()))}" if manifest.is_file() else ""
     return (f"{shards}{total} target-cache shards are saved in {output}; rerun the same command to resume at the "
             "first missing one")
 

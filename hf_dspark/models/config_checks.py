@@ -51,8 +51,15 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+def is_finite_number(value) -> bool:
+    """A real number (never a bool or a string of digits) that is finite: the one test of every numeric field a
+    checkpoint or a saved state may hold (an int too large for a float is not finite)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _kind(value) -> str:
@@ -78,7 +85,7 @@ def number(low: float | None = None, above: bool = True, optional: bool = False)
     def rule(value):
         if value is None:
             return None if optional else "is missing: {field} needs a value"
-        if not _is_number(value):
+        if not is_finite_number(value):
             return f"is {_kind(value)}, not a finite number"
         if low is not None and (value <= low if above else value < low):
             return f"is out of range: {{field}} must be {'above' if above else 'at least'} {low}"
@@ -163,10 +170,10 @@ def _rope(value, legacy: bool = False):
     missing = [key for key in ROPE_REQUIRED_KEYS.get(rope_type, ()) if key not in value]
     if missing:
         return f"lacks {missing}, needed by rope_type {rope_type!r}"
-    bad = [key for key in _ROPE_NUMBERS if key in value and not (_is_number(value[key]) and value[key] >= 0)]
+    bad = [key for key in _ROPE_NUMBERS if key in value and not (is_finite_number(value[key]) and value[key] >= 0)]
     bad += [key for key in ("rope_theta", "factor") if key in value and key not in bad and not value[key] > 0]
     bad += [key for key in ("short_factor", "long_factor") if key in value and not (
-        isinstance(value[key], list) and all(_is_number(entry) for entry in value[key]))]
+        isinstance(value[key], list) and all(is_finite_number(entry) for entry in value[key]))]
     return f"has {bad} that {'are' if len(bad) > 1 else 'is'} not a positive number (or list of numbers)" if bad \
         else None
 
@@ -329,4 +336,4 @@ def config_source(kwargs: Mapping[str, Any], fallback: str) -> str:
 __all__ = ["ATTENTION_LAYER_TYPES", "BLOCK", "BOOLEAN", "CONFIDENCE_THRESHOLD_RULES", "FIELD_RULES", "FROM_TARGET",
            "FROM_WEIGHTS", "MAX_BLOCK_SIZE", "MAX_DRAFT_LAYERS", "MAX_TARGET_LAYERS", "SEQUENTIAL_HEADS",
            "built_naming", "check_config_fields", "check_consistency", "choice", "config_source", "flag", "integer",
-           "list_of", "number", "refusal"]
+           "is_finite_number", "list_of", "number", "refusal"]

@@ -7,7 +7,6 @@ from typing import Any, ClassVar
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .config_checks import ATTENTION_LAYER_TYPES, SEQUENTIAL_HEADS  # noqa: F401  (the names this module had)
 from .configuration_common import DraftPreTrainedConfig
 from .identity import BLOCK_DRAFTER_TYPE
 from .target_info import default_target_layer_ids

@@ -17,14 +17,13 @@ sets in code or passes to `generate()` is theirs, read where they run.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import os
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from transformers import GenerationConfig
 from transformers.utils import cached_file
 
+from .config_checks import is_finite_number
 from .errors import DrafterLoadError, UserInputError
 from .json_files import SMALL_JSON_BYTES, read_json
 
@@ -212,10 +211,10 @@ def cost_table_problem(stored) -> str | None:
         return (f"field 'seconds' is {repr(seconds)[:80]}, not a non-empty list of the seconds of a forward over 1, "
                 "2, ... tokens")
     for index, value in enumerate(seconds):
-        if not (_is_time(value) and value > 0):
+        if not (is_finite_number(value) and value > 0):
             return f"field 'seconds'[{index}] is {repr(value)[:80]}, not a positive, finite number of seconds"
     draft = stored.get("draft_seconds", 0.0)
-    if not (_is_time(draft) and draft >= 0):
+    if not (is_finite_number(draft) and draft >= 0):
         return f"field 'draft_seconds' is {repr(draft)[:80]}, not a finite number of seconds >= 0"
     description = stored.get("description", {})
     if not isinstance(description, dict):
@@ -224,12 +223,3 @@ def cost_table_problem(stored) -> str | None:
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         return f"field 'description.rows' is {repr(rows)[:80]}, not an int >= 1 (the batch size it was profiled for)"
     return None
-
-
-def _is_time(value) -> bool:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False

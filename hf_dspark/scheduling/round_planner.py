@@ -10,12 +10,11 @@ learn only when they share the object.
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from ..models.config_checks import is_finite_number
 from ..models.errors import UserInputError
 from ..models.json_files import read_json
 from .cost_table import VerificationCostTable
@@ -307,8 +306,7 @@ class _StateCheck:
 
     def value(self, value, name: str, low: float, above: bool = False, high: float | None = None) -> float:
         """`value` as a float: a finite number >= low (> low when `above`), <= high when given."""
-        finite = isinstance(value, numbers.Real) and not isinstance(value, bool) and _finite(value)
-        ok = finite and (value > low if above else value >= low) and (high is None or value <= high)
+        ok = is_finite_number(value) and (value > low if above else value >= low) and (high is None or value <= high)
         self.require(ok, name, value, f"a finite number {'>' if above else '>='} {low}"
                      + (f" and <= {high}" if high is not None else ""))
         return float(value)
@@ -342,10 +340,3 @@ class _StateCheck:
                          f"{name} key", key, f"an int >= {low}")
             checked[number] = check(value, f"{name}[{key!r}]")
         return checked
-
-
-def _finite(value) -> bool:
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False

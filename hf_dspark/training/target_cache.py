@@ -113,21 +113,23 @@ def _write_shard(output: Path, index: int, tensors: dict) -> None:
     final_path = output / f"shard-{index:05d}.safetensors"
     temporary = final_path.with_suffix(".tmp")
     try:
-        try:
-            save_file(tensors, str(temporary), metadata={"format_version": str(FORMAT_VERSION)})
-        except Exception as error:
-            cause = write_problem(error, output, saving=True)  # judged before the half shard goes, freeing space
-            temporary.unlink(missing_ok=True)
-            if cause is None:
-                raise
-            kept = len(list(output.glob("shard-*.safetensors")))
-            raise OutputWriteError(f"writing {final_path.name} to {output} failed: {cause}. Free space or fix that, "
-                                   f"then rerun the same command: it keeps the {kept} shards written and resumes "
-                                   "at the first missing one.") from error
-    except BaseException:
+        save_file(tensors, str(temporary), metadata={"format_version": str(FORMAT_VERSION)})
+    except BaseException as error:  # Ctrl-C too: the half shard goes either way
+        # A write problem is judged before the half shard goes, freeing space.
+        cause = write_problem(error, output, saving=True) if isinstance(error, Exception) else None
         temporary.unlink(missing_ok=True)
-        raise
+        if cause is None:
+            raise
+        kept = len(list(output.glob("shard-*.safetensors")))
+        raise OutputWriteError(f"writing {final_path.name} to {output} failed: {cause}. Free space or fix that, "
+                               f"then rerun the same command: it keeps the {kept} shards written and resumes "
+                               "at the first missing one.") from error
     os.replace(temporary, final_path)
+
+
+def shard_count(manifest: dict) -> int:
+    """How many shards the cache a manifest describes has when complete."""
+    return -(-manifest["num_examples"] // manifest["shard_size"])
 
 
 @torch.no_grad()
@@ -195,7 +197,7 @@ class TargetCacheDataset(Dataset):
             raise TargetCacheError(f"{cache} caches target layers {cached} but the drafter reads {list(layer_ids)}; "
                              "rebuild the cache with (a superset of) the drafter's target_layer_ids.")
         self.columns = None if layer_ids is None or list(layer_ids) == cached else [cached.index(i) for i in layer_ids]
-        count = -(-self.manifest["num_examples"] // self.manifest["shard_size"])
+        count = shard_count(self.manifest)
         missing = [i for i in range(count) if not (cache / f"shard-{i:05d}.safetensors").exists()]
         if missing:
             raise TargetCacheError(f"{cache} is incomplete ({len(missing)} of {count} shards missing); "

@@ -20,14 +20,11 @@ naming each field, never loaded approximately.
 
 from __future__ import annotations
 
-import math
-import numbers
 from pathlib import Path
 
-import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from ..config_checks import check_config_fields
+from ..config_checks import check_config_fields, is_finite_number
 from ..errors import DrafterLoadError
 from ..target_info import EMBEDDING_OUTPUT
 from ..configuration_dspark import DSparkDraftConfig
@@ -121,13 +118,9 @@ def _draft_settings(config: dict, source: str) -> dict:
         if name not in settings:
             continue
         switched_off = settings[name] is None and name == "final_logit_softcapping"  # z-lab: None means no cap
-        if not switched_off and not _is_finite_number(settings[name]):
+        if not switched_off and not is_finite_number(settings[name]):
             raise DrafterLoadError(f"{source} has {name}={settings[name]!r}; z-lab's dflash needs a number there.")
     return settings
-
-
-def _is_finite_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _qwen3_config(config: dict, source: str):
