@@ -83,8 +83,8 @@ def save_drafting_config(generation_config: GenerationConfig, folder: str | Path
         if problem is not None:
             raise UserInputError(f"generation_config.dspark_cost_table: {table} is not a cost table: {problem}; "
                                  f"{fix}.")
-    elif isinstance(table, dict) and cost_table_problem(table) is not None:  # would be refused when loaded
-        raise UserInputError(f"generation_config.dspark_cost_table is not a cost table: {cost_table_problem(table)}; "
+    elif isinstance(table, dict) and (problem := cost_table_problem(table)) is not None:  # refused when loaded
+        raise UserInputError(f"generation_config.dspark_cost_table is not a cost table: {problem}; "
                              "set a VerificationCostTable or the fields `hf-dspark profile` writes, or unset it.")
     policy = values.get("dspark_verification_policy")
     if policy is not None and not isinstance(policy, (str, list, tuple)):
