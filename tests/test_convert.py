@@ -563,7 +563,8 @@ def test_imported_drafters_use_deepspecs_per_slot_threshold(qwen3, tmp_path, mon
 @pytest.mark.parametrize("rule", ["per_slot", "cumulative"])
 def test_per_slot_threshold_gives_deepspecs_draft_lengths_and_stays_exact(qwen3, monkeypatch, rule):
     drafter = tiny_drafter(qwen3, "markov", block_size=6)
-    drafter.generation_config.update(assistant_confidence_threshold=0.35, dspark_confidence_threshold_rule=rule)
+    drafter.generation_config.update(assistant_confidence_threshold=0.35, dspark_confidence_threshold_rule=rule,
+                                     dspark_round_planning=False)  # every round drafts: the rule alone decides
     rounds = _record_rounds(monkeypatch, drafter)
     for ids in prompts(3):
         out = qwen3.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=20)
@@ -576,7 +577,8 @@ def test_per_slot_threshold_gives_deepspecs_draft_lengths_and_stays_exact(qwen3,
 @pytest.mark.parametrize("rule", ["per_slot", "cumulative"])
 def test_per_slot_threshold_in_a_batch_gives_deepspecs_draft_lengths_and_stays_exact(qwen3, monkeypatch, rule):
     drafter = tiny_drafter(qwen3, "markov", block_size=6)
-    drafter.generation_config.update(assistant_confidence_threshold=0.35, dspark_confidence_threshold_rule=rule)
+    drafter.generation_config.update(assistant_confidence_threshold=0.35, dspark_confidence_threshold_rule=rule,
+                                     dspark_round_planning=False)  # every round drafts: the rule alone decides
     rounds = _record_rounds(monkeypatch, drafter)
     ids = torch.cat([p[:, :6] for p in prompts(3)])
     mask = torch.ones_like(ids)
@@ -1032,7 +1034,7 @@ def test_a_round_stopped_by_eos_counts_only_the_drafts_it_emits(monkeypatch):
     in the round that reaches EOS, hf_dspark counted drafts past the EOS (matched, never emitted) as accepted. A
     round emits its accepted drafts plus one target token; with the stop inside the drafts, the EOS is that token
     (as llama.cpp counts it), so tokens = 1 (from the prompt's forward) + sum(accepted + 1) holds to the end."""
-    from hf_dspark.generation import batched
+    from hf_dspark.generation import batched_speculative_generate
     from hf_dspark.generation.candidates import DSparkCandidateGenerator
     from test_batched import left_pad, use_oracle
 
@@ -1058,8 +1060,9 @@ def test_a_round_stopped_by_eos_counts_only_the_drafts_it_emits(monkeypatch):
     monkeypatch.setattr(DSparkCandidateGenerator, "_draft", single)
     # The batched engine counts the same way.
     use_oracle(monkeypatch, [reference], block_size=block)
-    result = batched.batched_speculative_generate(target, drafter, *left_pad([prompt]), max_new_tokens=30,
-                                                  eos_token_id=eos)
+    drafter.generation_config.dspark_round_planning = False  # every round drafts (the oracle's drafts)
+    result = batched_speculative_generate(target, drafter, *left_pad([prompt]), max_new_tokens=30,
+                                          eos_token_id=eos)
     assert torch.equal(result.sequences[0], out[0])
     rounds = result.stats[0]
     assert 1 + sum(a + 1 for a in rounds.accepted) == generated, rounds.accepted

@@ -42,6 +42,7 @@ def test_batched_drafter_passes_equal_single_prompt_passes(target, case):
     so positions are not column indices) gives each row the logits a fresh batch-1 pass gives on that row's
     committed context."""
     drafter = tiny_drafter(target, "dflash", block_size=4, **ATTENTION[case])
+    drafter.generation_config.dspark_round_planning = False  # a backbone pass every round, to compare each
     prompt_list = prompts(3, length=7)
     ids, mask = left_pad(prompt_list)
     calls = []

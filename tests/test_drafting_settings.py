@@ -245,10 +245,9 @@ def test_a_confidence_policy_without_a_confidence_head_is_refused_alike_at_every
     one = prompts(1)[0]
     ids, mask = left_pad(prompts(2, length=5) + prompts(1, length=7, seed=9))
     calls = [lambda: target.generate(one, assistant_model=drafter, max_new_tokens=6,
+                                     dspark_verification_policy=policy),
+             lambda: target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=6,
                                      dspark_verification_policy=policy)]
-    if kind == "dflash":  # the engine refuses Eagle3 batches whatever the policy (before any forward too)
-        calls.append(lambda: target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=6,
-                                             dspark_verification_policy=policy))
     for call in calls:
         with pytest.raises(hf_dspark.UserInputError, match="dspark_verification_policy.*no confidence head"):
             call()

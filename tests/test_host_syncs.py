@@ -101,6 +101,7 @@ def test_both_loops_draft_and_verify_through_the_one_core():
         return draft_block
 
     ids = prompts(1, length=7)[0]
+    drafter.generation_config.dspark_round_planning = False  # both loops draft every round
     candidates.draft_block = spy("single")
     try:
         single = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12)

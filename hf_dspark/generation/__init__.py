@@ -1,4 +1,5 @@
-from .batched import BatchedOutput, SpeculativeEngine, batched_speculative_generate
+from .batched import BatchedOutput, SpeculativeEngine
+from .generate_batch import batched_speculative_generate
 from .candidates import DraftCandidateGenerator, DSparkCandidateGenerator, Eagle3CandidateGenerator
 from .decoding import speculative_decoding
 from .outputs import SpeculativeDecoderOnlyOutput

@@ -78,9 +78,12 @@ class BatchRows:
     pending: torch.Tensor  # (R, M, F) target features not yet given to the drafter
     pending_valid: torch.BoolTensor  # (R, M)
     pending_positions: torch.LongTensor  # (R, M)
+    # (R, M) the token after each queued entry (Eagle3's context rows pair a feature with it); a row's newest entry
+    # is followed by its anchor, which may be unknown when the entry is queued (see `next_tokens`)
+    pending_tokens: torch.LongTensor
 
     _PER_ROW = ("request", "anchor", "target_valid", "target_length", "draft_valid", "pending", "pending_valid",
-                "pending_positions")
+                "pending_positions", "pending_tokens")
 
     def __len__(self) -> int:
         return self.request.shape[0]
@@ -128,6 +131,7 @@ class BatchRows:
         if columns is not None:
             self.pending, self.pending_valid = self.pending[:, columns], self.pending_valid[:, columns]
             self.pending_positions = self.pending_positions[:, columns]
+            self.pending_tokens = self.pending_tokens[:, columns]
         return target_columns
 
     def merge(self, other: "BatchRows") -> None:
@@ -138,7 +142,8 @@ class BatchRows:
         self.request_ids = self.request_ids + other.request_ids
         for name in ("request", "anchor", "target_length"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        for name in ("target_valid", "draft_valid", "pending_valid", "pending_positions", "pending"):
+        for name in ("target_valid", "draft_valid", "pending_valid", "pending_positions", "pending_tokens",
+                     "pending"):
             setattr(self, name, _cat_rows(getattr(self, name), getattr(other, name), dim=1))
         for mine, theirs in zip(self.target_cache.layers, other.target_cache.layers):
             stack_layer_rows(mine, [layer_tensors(mine), layer_tensors(theirs)])
@@ -155,22 +160,34 @@ class BatchRows:
         return row_entries(self.target_cache, row, columns)
 
     def stage_context(self, features: torch.Tensor, valid: torch.BoolTensor, positions: torch.LongTensor,
-                      width: int) -> None:
+                      tokens: torch.LongTensor, width: int) -> None:
         """Queue the target features of the entries that just became valid for the next backbone pass, after any
         still queued (rounds that drafted nothing leave the drafter idle): the first `width` columns (the caller
-        knows how many some row uses, from values it has read). The others are zeroed where invalid, so no stray
-        value at a padded position (masked, but multiplied by a zero attention weight) can turn into NaN inside
-        attention."""
+        knows how many some row uses, from values it has read), with `tokens`, the token after each entry. The
+        features are zeroed where invalid, so no stray value at a padded position (masked, but multiplied by a zero
+        attention weight) can turn into NaN inside attention."""
         valid = valid[:, :width]
         features = torch.where(valid[..., None], features[:, :width], 0.0)
-        positions = positions[:, :width]
+        positions, tokens = positions[:, :width], tokens[:, :width]
         if self.pending.shape[1]:
             features = torch.cat([self.pending, features], dim=1)
             valid = torch.cat([self.pending_valid, valid], dim=1)
             positions = torch.cat([self.pending_positions, positions], dim=1)
+            tokens = torch.cat([self.pending_tokens, tokens], dim=1)
         self.pending, self.pending_valid, self.pending_positions = features, valid, positions
+        self.pending_tokens = tokens
+
+    def newest_entries(self) -> torch.BoolTensor:
+        """(R, M) the queued entry of each row right before its anchor. An Eagle3 drafter keeps one per row queued
+        (every round queues the entry of the anchor it verified; joining rows keep theirs, `engine_eagle3`)."""
+        return self.pending_valid & (self.pending_positions == self.target_length[:, None] - 1)
+
+    def next_tokens(self, newest: torch.BoolTensor) -> torch.LongTensor:
+        """(R, M) the token after each queued entry: the staged one, and for each row's newest entry its anchor
+        (a prompt's last entry is queued before its first token is chosen)."""
+        return torch.where(newest, self.anchor[:, None], self.pending_tokens)
 
     def take_context(self) -> None:
         """The queued context went into the drafter's cache: nothing is queued any more."""
         self.pending, self.pending_valid = self.pending[:, :0], self.pending_valid[:, :0]
-        self.pending_positions = self.pending_positions[:, :0]
+        self.pending_positions, self.pending_tokens = self.pending_positions[:, :0], self.pending_tokens[:, :0]

@@ -1,5 +1,5 @@
-"""Batched decoding: R requests decoded together, drafted and verified by a DSpark or DFlash drafter, or, without a
-drafter, plain continuous batching (every round verifies no drafts: one target token per row per step).
+"""Batched decoding: R requests decoded together, drafted and verified by a DSpark, DFlash or Eagle3 drafter, or,
+without a drafter, plain continuous batching (every round verifies no drafts: one target token per row per step).
 
 The rows' state (both caches with holes, explicit positions) is `batch_state.BatchRows`; the token choice per row
 is `sampling.RowSampling`; drafting is the one core of every batch size (`drafting.draft_block`) and the draft
@@ -31,11 +31,15 @@ from __future__ import annotations
 
 import torch
 
-from ..models.identity import BLOCK_DRAFTER_TYPE, drafter_type
+from ..models.identity import drafter_type
 from ..models.modeling_dspark import DSparkDraftModel
 from ..scheduling.draft_length import DraftLengthRule
 from .batch_state import BatchRows, to_device
 from .drafting import Drafts, draft_block, verify_drafts
+from ..scheduling.batch_planner import DRAFTER
+from .engine_planning import EngineRoundPlanning, with_suffix_drafts
+from .plan import DraftingPlan
+from .engine_eagle3 import row_drafter_for
 from .engine_checks import (check_drafter, check_left_padded, check_resume, check_target, checked_prompt,
                             drafter_defaults)
 from .engine_requests import (BatchedOutput, EngineGate, EngineSnapshot, ParkedCache, Request, emit, eos_ids,
@@ -45,8 +49,7 @@ from .engine_rounds import (PlainChoice, commit_round, left_padded, plain_step, 
 from .sampling import RowSampling, SamplingParams
 from .stats import SpeculativeStats
 
-__all__ = ["BatchedOutput", "ParkedCache", "SamplingParams", "SpeculativeEngine", "batched_speculative_generate",
-           "check_left_padded"]
+__all__ = ["BatchedOutput", "ParkedCache", "SamplingParams", "SpeculativeEngine", "check_left_padded"]
 
 
 def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor, slots: int, rule: DraftLengthRule,
@@ -73,6 +76,16 @@ def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor,
     return Drafts(tokens, probs, rule.lengths(confidences, budget), confidences)
 
 
+def _round_planning(drafter, plan: DraftingPlan | None, slots: int) -> EngineRoundPlanning | None:
+    """The engine's round planner, with the plan's settings (else the drafter's `generation_config` defaults)."""
+    if drafter is None:
+        return None
+    settings = (plan if plan is not None else DraftingPlan.for_call(drafter)).settings
+    return EngineRoundPlanning(slots, planning=settings.round_planning, suffix_drafting=settings.suffix_drafting,
+                               cost_table=settings.cost_table, learn_costs=settings.learn_round_costs,
+                               suffix_acceptance=settings.state.statistics.suffix)
+
+
 class SpeculativeEngine:
     """Continuous batching: requests join and leave a running batch between rounds.
 
@@ -96,8 +109,8 @@ class SpeculativeEngine:
 
     Args:
         target: a decoder-only causal LM with full attention on every layer (sdpa or eager).
-        drafter: a `DSparkDraftModel` trained for `target` (attached here), or None for plain continuous batching
-            (each round emits one target token per row; `policy` must stay "all").
+        drafter: a `DSparkDraftModel` or `Eagle3DraftModel` trained for `target` (attached here), or None for plain
+            continuous batching (each round emits one target token per row; `policy` must stay "all").
         policy, policy_arg: how many drafted slots each row verifies per round, as in
             `batched_speculative_generate`. A stateful scheduler is `reset()` whenever the batch starts empty.
         threshold_rule: what policy "threshold" compares: ``"cumulative"`` (c_1...c_j) or ``"per_slot"`` (c_j).
@@ -117,8 +130,11 @@ class SpeculativeEngine:
 
     def __init__(self, target, drafter: DSparkDraftModel | None = None, policy: str | None = None, policy_arg=None, *,
                  threshold_rule: str | None = None, draft_length: int | None = None,
-                 generator: torch.Generator | None = None, keep_stats: bool = False):
+                 generator: torch.Generator | None = None, keep_stats: bool = False, plan: DraftingPlan | None = None):
         self.plain = drafter is None
+        if plan is not None:  # generate()'s call: its plan, checked once, sets everything
+            policy, policy_arg, draft_length = plan.policy, plan.policy_arg, plan.draft_length
+            threshold_rule = plan.settings.confidence_threshold_rule
         if self.plain:
             if policy not in (None, "all") or draft_length is not None:
                 raise ValueError("an engine without a drafter verifies no drafts: leave policy and draft_length "
@@ -127,13 +143,15 @@ class SpeculativeEngine:
             check_target(target)
             self.rule, self.gamma, self.layer_indices, self.feature_device = None, 0, (), None
         else:
-            if drafter_type(drafter) == BLOCK_DRAFTER_TYPE:  # anything else is refused by check_drafter
+            if drafter_type(drafter) is not None:  # anything else is refused by check_drafter
                 policy, policy_arg, threshold_rule, draft_length = drafter_defaults(
                     drafter, policy, policy_arg, threshold_rule, draft_length)
             self.rule, self.gamma = check_drafter(target, drafter, policy, policy_arg, threshold_rule, draft_length)
             drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
             self.layer_indices, self.feature_device = drafter.target_hidden_state_indices, drafter.device
         self.target, self.drafter = target, drafter
+        self._draft_rows = row_drafter_for(drafter) or _draft  # this drafter kind's pass, for all rows at once
+        self.planning = _round_planning(drafter, plan, self.gamma)
         self.policy, self.policy_arg = policy, policy_arg
         self.generator = generator
         self.device = target.device
@@ -276,6 +294,8 @@ class SpeculativeEngine:
     def _pop_output(self, request_id: int) -> torch.LongTensor:
         """The request's tokens, leaving the engine; its statistics go with them (`returned_stats`)."""
         request = self._requests.pop(request_id)
+        if self.planning is not None:
+            self.planning.forget(request_id)
         self.returned_stats[request_id] = self.stats[request_id] if self.keep_stats else self.stats.pop(request_id)
         return torch.tensor(request.tokens, dtype=torch.long, device=self.device)
 
@@ -316,7 +336,10 @@ class SpeculativeEngine:
             rows.select([row for row, d in enumerate(done) if not d])
         if self.num_running:
             if not self.plain:
+                # Both blocks' queued context into their drafter caches first, so the newcomers' prompt columns
+                # line up with the running rows' instead of widening the cache after them.
                 project_context(self.drafter, rows)
+                project_context(self.drafter, self._rows)
             self._rows.merge(rows)
             self._rows.drop_unused_columns()  # columns of the newcomers' left padding
         else:
@@ -331,38 +354,61 @@ class SpeculativeEngine:
         return self._plain_choice[1].choose(logits, self.generator)
 
     def _round(self) -> list[int]:
-        """One draft-verify round for every running row; retires and returns the requests it finished.
+        """One round for every running row, as the round planner decided from earlier rounds: some rows verify the
+        drafter's block, some a suffix match of their own text, the others only their anchor; a round without
+        drafter rows does not run the drafter. Retires and returns the requests it finished.
 
-        The device is read twice: the verified lengths (and confidences), then the accepted counts and tokens."""
+        The device is read at most twice: the verified lengths (and confidences) when the drafter ran, then the
+        accepted counts and tokens."""
         rows, request_ids = self._rows, self._rows.request_ids
         requests = [self._requests[r] for r in request_ids]
         sampling = self._row_sampling(request_ids)
         # Every round emits at least one token, so a row drafts at most (tokens left - 1).
         budgets = [max(0, min(self.gamma, q.max_new_tokens - q.emitted - 1)) for q in requests]
-        if max(budgets) == 0 or not self.rule.needs_drafts():
-            # Nothing is drafted, so the drafter does not run: the context stays queued for its next pass.
-            drafts = Drafts.empty(len(rows), rows.anchor.device)
-            lengths, confidences = [0] * len(rows), [[] for _ in rows.request_ids]
-        else:
-            drafts = _draft(self.drafter, rows, to_device(budgets, rows.anchor.device), max(budgets), self.rule,
-                            sampling, self.generator)
-            lengths, confidences = read_lengths(drafts)
+        plan = self.planning.plan(request_ids, requests, budgets,
+                                  drafter_possible=max(budgets) > 0 and self.rule.needs_drafts())
+        drafts, lengths, confidences = self._proposals(plan, rows, sampling)
+        verification_started = self.planning.drafted()
         width = max(lengths) + 1
         new_tokens, num_accepted, features, positions = verify_round(
             self.target, rows, drafts, width, self.layer_indices, sampling, self.generator, self.feature_device)
         values = torch.cat([num_accepted[:, None], new_tokens], dim=1).tolist()  # the round's second read
         accepted = [row[0] for row in values]
-        commit_round(rows, num_accepted, accepted, width, features, positions)
+        commit_round(rows, num_accepted, accepted, width, features, positions, new_tokens)
+        self.planning.record(plan, request_ids, lengths, accepted, width, verification_started)
 
         self.verified_tokens_per_round.append(sum(lengths) + len(rows))
         before = [request.emitted for request in requests]
         done = emit(requests, [row[1:] for row in values], [count + 1 for count in accepted])
-        for request, length, count, start, slot_confidences in zip(requests, lengths, accepted, before, confidences):
+        for request, source, length, count, start, slot_confidences in zip(
+                requests, plan.sources, lengths, accepted, before, confidences):
             # A row that stops inside its drafts (EOS) counts only the drafts it emitted (as batch 1 does).
             count = min(count, request.emitted - start - 1)
-            request.stats.record(length, count, slot_confidences if self.drafter.confidence_proj is not None else None)
+            request.stats.record(length, count, slot_confidences, source)
         # A row that goes on emitted all its tokens, the last being the target's: the next anchor.
         return self._retire(done, lambda: new_tokens.gather(1, num_accepted[:, None]).squeeze(1))
+
+    def _proposals(self, plan, rows: BatchRows, sampling: RowSampling) -> tuple[Drafts, list[int], list]:
+        """The round's drafts as planned: the drafter's rows drafted (one pass for all rows, only when some row
+        drafts), the suffix rows' proposals laid over them. Returns (drafts, verified lengths on the host, per row
+        the confidences of its verified slots or None)."""
+        num_rows, device = len(rows), rows.anchor.device
+        if plan.use_drafter:
+            budgets = [length if source == DRAFTER else 0 for source, length in zip(plan.sources, plan.lengths)]
+            drafts = self._draft_rows(self.drafter, rows, to_device(budgets, device), max(budgets), self.rule,
+                                      sampling, self.generator)
+        else:  # the context stays queued for the drafter's next pass
+            drafts = Drafts.empty(num_rows, device)
+        suffix_rows = self.planning.suffix_rows(plan, rows.request_ids)
+        if suffix_rows:
+            drafts = with_suffix_drafts(drafts, suffix_rows, num_rows, self.drafter.config.vocab_size,
+                                        sampling.any_sampled, device)
+        if not plan.use_drafter:
+            return drafts, list(plan.lengths), [None] * num_rows
+        lengths, confidences = read_lengths(drafts)  # the round's first read
+        with_head = getattr(self.drafter, "confidence_proj", None) is not None
+        return drafts, lengths, [c if with_head and source == DRAFTER else None
+                                 for c, source in zip(confidences, plan.sources)]
 
     def _plain_round(self) -> list[int]:
         """Plain decoding: one target token per row, read once."""
@@ -389,62 +435,3 @@ class SpeculativeEngine:
         if finished:
             rows.select([row for row, d in enumerate(done) if not d])
         return finished
-
-
-@torch.no_grad()
-def batched_speculative_generate(
-    target,
-    drafter: DSparkDraftModel,
-    input_ids: torch.LongTensor,
-    attention_mask: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    eos_token_id: int | list[int] | None = None,
-    policy: str = "all",
-    policy_arg=None,
-    threshold_rule: str = "cumulative",
-    draft_length: int | None = None,
-    generator: torch.Generator | None = None,
-) -> BatchedOutput:
-    """Lossless speculative decoding of a left-padded batch of prompts with a DSpark or DFlash drafter.
-
-    Each request's output is distributed exactly as the target's own decoding of that prompt alone (greedy: the
-    same tokens) with the given temperature / top-k / top-p, stopping at `eos_token_id` (default: the target's
-    generation config) or after `max_new_tokens` new tokens. All prompts start together; `SpeculativeEngine` runs
-    the same rounds for requests that arrive over time.
-
-    Args:
-        target: a decoder-only causal LM with full attention on every layer (sdpa or eager).
-        drafter: a `DSparkDraftModel` trained for `target` (attached here).
-        input_ids, attention_mask: (R, P) left-padded prompts and their mask.
-        policy: how many drafted slots each row verifies per round:
-            ``"all"``: every slot the budget allows (up to `draft_length`);
-            ``"fixed"``: `policy_arg` slots;
-            ``"threshold"``: up to the first slot whose cumulative confidence c_1...c_j is below `policy_arg` (its
-            own c_j with `threshold_rule="per_slot"`, DeepSpec's meaning);
-            ``"scheduler"``: `policy_arg.select_lengths(confidences, max_lengths)` of a `DSparkScheduler`, over all
-            rows together (its `reset()` is called first). The last two need a confidence head (DSpark, not
-            DFlash). `policy` and `threshold_rule` are taken as given here, not from the drafter.
-        draft_length: slots drafted per round; None: the drafter's `num_assistant_tokens` (every slot unless set).
-        generator: random source for drafting and acceptance (sampling only).
-    """
-    engine = SpeculativeEngine(target, drafter, policy, policy_arg, threshold_rule=threshold_rule,
-                               draft_length=draft_length, generator=generator)
-    check_left_padded(input_ids, attention_mask)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be non-negative, got {max_new_tokens}.")
-    prompt_mask = attention_mask.bool()
-    sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k)
-    eos = sorted(eos_ids(target, eos_token_id))
-    request_ids = [engine.submit(input_ids[r, prompt_mask[r]], max_new_tokens, eos_token_id=eos, **sampling)
-                   for r in range(input_ids.shape[0])]
-    outputs = engine.run_until_done()
-    return BatchedOutput(
-        sequences=[outputs[r].to(input_ids.device) for r in request_ids],
-        stats=[engine.returned_stats[r] for r in request_ids],
-        verified_tokens_per_round=engine.verified_tokens_per_round,
-    )

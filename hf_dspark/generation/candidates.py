@@ -25,10 +25,11 @@ from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
 from ..scheduling.round_planner import DRAFTER, NO_DRAFT, SUFFIX
 from .drafting import Drafts, draft_block, one_hot_probs
+from .engine_eagle3 import context_pass, draft_chain
 from .plan import DraftingPlan
 from .sampling import ProcessorSampling
 from .stats import PhaseClock, SpeculativeStats
-from .suffix import SuffixIndex
+from .suffix import SuffixProposer
 
 
 class DraftCandidateGenerator:
@@ -53,8 +54,7 @@ class DraftCandidateGenerator:
         self.clock = PhaseClock(drafter.device, plan.settings.time_phases)
         self._round_confidences: list[float] = []
         self._round_source = NO_DRAFT
-        self._watched: list[tuple[int, list[int], int]] = []  # suffix proposals not yet scored
-        self.suffix = SuffixIndex() if plan.settings.suffix_drafting else None
+        self.suffix = (SuffixProposer(plan.state.statistics.suffix) if plan.settings.suffix_drafting else None)
         self.planner = plan.round_planner()
 
     @torch.no_grad()
@@ -68,8 +68,6 @@ class DraftCandidateGenerator:
         if budget <= 0:
             return Drafts.empty(1, input_ids.device)
         proposal, match = self.suffix.propose(budget) if self.suffix is not None else ([], 0)
-        if proposal:
-            self._watched.append((len(self.suffix.tokens), proposal, match))
         source, length = DRAFTER, 0
         if self.plan.settings.round_planning:
             started = self.clock.now()
@@ -99,24 +97,10 @@ class DraftCandidateGenerator:
         self.stats.record(draft_length, num_accepted, self._round_confidences, self._round_source)
 
     def extend_text(self, new_tokens: list[int]) -> None:
-        """Tell the suffix index about tokens appended to the sequence (the prompt, then each round's output, as
-        host ints), and score the suffix proposals made so far against the text that followed them."""
-        if self.suffix is None:
-            return
-        self.suffix.extend(new_tokens)
-        text, still_open = self.suffix.tokens, []
-        for start, proposal, match in self._watched:
-            seen = text[start : start + len(proposal)]
-            matched = 0
-            while matched < len(seen) and seen[matched] == proposal[matched]:
-                matched += 1
-            if matched < len(seen) or len(seen) == len(proposal):
-                # What verifying the proposal would have accepted: every round scores the suffix drafter, chosen
-                # or not, so its statistics never starve while plain steps or the drafter are preferred.
-                self.plan.state.statistics.suffix.record(match, len(proposal), matched)
-            else:
-                still_open.append((start, proposal, match))
-        self._watched = still_open
+        """Tell the suffix proposer about tokens appended to the sequence (the prompt, then each round's output, as
+        host ints); it scores its proposals so far against the text that followed them."""
+        if self.suffix is not None:
+            self.suffix.extend(new_tokens)
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -186,39 +170,24 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
 
 
 class Eagle3CandidateGenerator(DraftCandidateGenerator):
-    """Eagle3: context rows in one pass, then one drafter step per drafted token, feeding its own state."""
+    """Eagle3: context rows in one pass, then one drafter step per drafted token, feeding its own state: the
+    engine's steps (`engine_eagle3.context_pass`, `draft_chain`) at R = 1, on a cache without holes."""
 
     drafter: Eagle3DraftModel
-
-    def _context_pass(self, input_ids, features):
-        # Row t pairs the target feature at t with the token at t + 1; the features are the newest rows.
-        first_row = self.context_length - features.shape[1]
-        next_tokens = input_ids[:, first_row + 1 : self.context_length + 1]
-        return self.drafter(input_ids=next_tokens, target_hidden_states=features, cache=self.cache)
 
     def _draft(self, input_ids, features, budget) -> Drafts:
         started = self.clock.now()
         budget = self.plan.length_rule().max_slots(budget)  # ("fixed", k): a chain drafts only what is verified
-        out = self._context_pass(input_ids, features)
-        logits, state = out.logits[:, -1], out.hidden_states[:, -1:]
-        tokens, probs = [], []
-        for step in range(budget):
-            processed = self.sampling.process(self.drafter.to_target_vocab(logits.float()),
-                                              torch.stack(tokens, dim=1) if tokens else input_ids[:, :0])
-            token, distribution = self.sampling.choose(processed)
-            tokens.append(token)
-            if distribution is not None:
-                probs.append(distribution)
-            if step + 1 < budget:
-                out = self.drafter(input_ids=token[:, None], hidden_states=state, cache=self.cache)
-                logits, state = out.logits[:, -1], out.hidden_states
-        self.cache.crop(self.context_length)  # drafted rows were built on the drafter's own states
+        # Row t pairs the target feature at t with the token at t + 1; the features are the newest rows.
+        first_row = self.context_length - features.shape[1]
+        next_tokens = input_ids[:, first_row + 1 : self.context_length + 1]
+        logits, state = context_pass(self.drafter, next_tokens, features, self.cache)
+        tokens, probs = draft_chain(self.drafter, logits, state, budget, self.sampling, None, self.cache)
         self.clock.lap(self.stats, "drafting", started)
-        if not tokens:  # ("fixed", 0): the context is consumed, nothing is drafted
+        if not budget:  # ("fixed", 0): the context is consumed, nothing is drafted
             return Drafts.empty(1, input_ids.device)
         lengths = torch.full((1,), budget, dtype=torch.long, device=input_ids.device)
-        return Drafts(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, lengths,
-                      length=budget)
+        return Drafts(tokens, probs, lengths, length=budget)
 
 
 def candidate_generator_for(

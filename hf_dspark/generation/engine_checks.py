@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ..models.identity import BLOCK_DRAFTER_TYPE, drafter_type
+from ..models.identity import drafter_type
 from ..scheduling.draft_length import DraftLengthRule
 from .engine_requests import ParkedCache
-from .plan import DraftingPlan
+from .engine_masks import mask_kinds
+from .plan import DraftingPlan, drafter_has_confidences
 from .transformers_internals import growing_cache
 
 _HOLE_SAFE_ATTENTION = ("sdpa", "eager")
@@ -25,17 +26,19 @@ def check_target(target) -> None:
             f"padding mask ({' or '.join(_HOLE_SAFE_ATTENTION)}); this target uses {implementation!r}. Load it with "
             "attn_implementation='sdpa'."
         )
-    new_target_cache(target)  # refuses sliding-window targets
+    new_target_cache(target)  # refuses layers without per-token entries, and kinds the engine cannot mask
 
 
 def new_target_cache(target):
-    """A cache whose layers all keep every entry: a sliding window counts cache slots, holes included, so it would
-    attend to fewer real tokens than the target's own decoding does."""
+    """A cache whose layers all keep every entry, sliding-window layers included: a window counts cache slots, holes
+    included, so the engine applies it in its own masks, by position (`engine_masks`)."""
+    mask_kinds(target)  # refuses recurrent, chunked and other layer kinds by name
     cache = growing_cache(target.config)
     if cache is None:
         raise ValueError(
-            "Batched decoding does not support targets with sliding-window or other non-full attention layers (their "
-            "caches drop entries by slot count, which holes would distort); decode them per prompt."
+            "Batched decoding runs targets whose layers all keep per-token keys and values (full or sliding-window "
+            "attention); this target has layers with recurrent or convolution states or a shared cache, which the "
+            "engine's holes cannot keep. Decode it per prompt."
         )
     return cache
 
@@ -54,16 +57,16 @@ def drafter_defaults(drafter, policy, policy_arg, threshold_rule, draft_length):
 def check_drafter(target, drafter, policy, policy_arg, threshold_rule,
                   draft_length) -> tuple[DraftLengthRule, int]:
     """Refuse what the engine cannot run, before any work; returns the draft-length rule and the slots drafted."""
-    if drafter_type(drafter) != BLOCK_DRAFTER_TYPE:
+    if drafter_type(drafter) is None:
         raise ValueError(
-            f"Batched speculative decoding supports DSpark/DFlash drafters (DSparkDraftModel), got "
-            f"{type(drafter).__name__}. Use target.generate(..., assistant_model=drafter) per prompt for Eagle3."
+            f"Batched speculative decoding runs hf_dspark drafters (DSparkDraftModel, Eagle3DraftModel), got "
+            f"{type(drafter).__name__}."
         )
     check_target(target)
     rule = DraftLengthRule(policy, policy_arg, threshold_rule)  # refuses a malformed policy
-    if policy in ("threshold", "scheduler") and drafter.confidence_proj is None:
+    if policy in ("threshold", "scheduler") and not drafter_has_confidences(drafter):
         raise ValueError(
-            f"policy {policy!r} needs the drafter's confidence head; this drafter has none (DFlash). "
+            f"policy {policy!r} needs the drafter's confidence head; this drafter has none (DFlash, Eagle3). "
             "Use policy 'all' or 'fixed'."
         )
     slots = drafter.config.num_draft_slots

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import torch
 
+from ..models.identity import EAGLE3_DRAFTER_TYPE, drafter_type
 from ..models.layers import DraftContextCache
 from ..models.modeling_dspark import DSparkDraftModel
+from ..models.modeling_eagle3 import Eagle3DraftModel
 from .batch_state import BatchRows, to_device
 from .drafting import Drafts, verify_drafts
+from .engine_eagle3 import project_queued
 from .engine_requests import ParkedCache, Request
 from .sampling import RowSampling
 from .engine_checks import new_target_cache
+from .engine_masks import target_attention_mask
 from .transformers_internals import stack_layer_rows
 from .verification import sample
 
@@ -22,9 +26,9 @@ def target_forward(target, rows: BatchRows, tokens, new_valid, positions, layer_
                    feature_device=None):
     """Append `tokens` (R, N) to the shared cache; returns (float logits of the last `keep` entries, the features of
     `layer_indices` concatenated, None without layers: plain decoding)."""
-    mask = torch.cat([rows.target_valid, new_valid], dim=1)
+    mask = target_attention_mask(target, rows.target_valid, new_valid, positions)
     kwargs = {"logits_to_keep": keep} if target._supports_logits_to_keep() else {}
-    out = target(input_ids=tokens, attention_mask=mask.long(), position_ids=positions, cache=rows.target_cache,
+    out = target(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=rows.target_cache,
                  use_cache=True, output_hidden_states=layer_indices or False, **kwargs)
     if not layer_indices:
         return out.logits[:, -keep:].float(), None
@@ -41,7 +45,7 @@ def _empty_rows(request_ids: list[int], target_cache, num_rows: int, device) -> 
         request=to_device(request_ids, device), request_ids=list(request_ids), anchor=zeros,
         target_cache=target_cache, target_valid=empty, target_length=zeros,
         draft_cache=DraftContextCache(), draft_valid=empty, pending=torch.zeros(num_rows, 0, 0, device=device),
-        pending_valid=empty, pending_positions=empty.long(),
+        pending_valid=empty, pending_positions=empty.long(), pending_tokens=empty.long(),
     )
 
 
@@ -69,7 +73,8 @@ def prefill(target, input_ids, prompt_mask, request_ids, layer_indices,
                                       feature_device=feature_device)
     rows.target_valid, rows.target_length = prompt_mask, prompt_mask.long().sum(dim=1)
     if features is not None:
-        rows.stage_context(features, prompt_mask, positions, width=prompt_mask.shape[1])
+        # The token after each prompt entry; the last one's is the first token, not chosen yet (`next_tokens`).
+        rows.stage_context(features, prompt_mask, positions, input_ids.roll(-1, dims=1), width=prompt_mask.shape[1])
     return rows, logits
 
 
@@ -93,15 +98,18 @@ def prefill_resumed(target, parked: list[ParkedCache], new_tokens: list[list[int
     return rows, logits
 
 
-def project_context(drafter: DSparkDraftModel, rows: BatchRows) -> None:
+def project_context(drafter: DSparkDraftModel | Eagle3DraftModel, rows: BatchRows) -> None:
     """Move the queued context into the drafter's cache now, with a one-slot pass whose output is discarded.
 
     A context row's keys and values depend only on its target features and position, not on the block, so this
     is what the next round would compute. Newcomers do it before joining: their prompt context then shares the
     running rows' cache columns (the merged width is the larger of the two) instead of being appended after them.
+    An Eagle3 drafter keeps each row's newest entry queued (`engine_eagle3.project_queued`).
     """
     if rows.pending.shape[1] == 0:
         return
+    if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
+        return project_queued(drafter, rows)
     block = rows.anchor.new_full((len(rows), 1), drafter.config.mask_token_id)
     drafter(input_ids=block, target_hidden_states=rows.pending, position_ids=rows.target_length[:, None],
             context_position_ids=rows.pending_positions, cache=rows.draft_cache)
@@ -127,17 +135,17 @@ def verify_round(target, rows: BatchRows, drafts: Drafts, width: int, layer_indi
 
 
 def commit_round(rows: BatchRows, num_accepted: torch.LongTensor, accepted: list[int], width: int, features,
-                 positions) -> None:
+                 positions, new_tokens: torch.LongTensor) -> None:
     """The newest token and the accepted drafts become valid; rejected drafts and padding stay as holes, except
     the trailing columns that no row kept: cropping those is a free slice and bounds the cache's growth. `accepted`
-    is `num_accepted` as read on the host."""
+    is `num_accepted` as read on the host; `new_tokens` (`verify_round`'s) holds the token after each kept entry."""
     used = max(accepted) + 1
     if used < width:
         rows.target_cache.crop(-(width - used))
     kept = torch.arange(used, device=rows.anchor.device)[None, :] < num_accepted[:, None] + 1
     rows.target_valid = torch.cat([rows.target_valid, kept], dim=1)
     rows.target_length = rows.target_length + num_accepted + 1
-    rows.stage_context(features, kept, positions, width=used)
+    rows.stage_context(features, kept, positions, new_tokens, width=used)
 
 
 def plain_step(target, rows: BatchRows) -> torch.Tensor:

@@ -21,6 +21,7 @@ from transformers import (
 
 from ..models.drafter_base import DraftPreTrainedModel
 from .batched import SpeculativeEngine, check_left_padded
+from .engine_requests import BatchedOutput, eos_ids
 from .outputs import SpeculativeDecoderOnlyOutput
 from .plan import DraftingPlan
 from .request_checks import BATCH_FIX
@@ -121,8 +122,7 @@ def batched_speculative_decoding(target, input_ids: torch.LongTensor, logits_pro
 
     # `drafter` is this call's own (`for_target`), already beside the target in its dtype: the engine's
     # attach_target(follow=True) finds nothing to move or cast, so the caller's drafter is never changed.
-    engine = SpeculativeEngine(target, drafter, plan.policy, plan.policy_arg,
-                               threshold_rule=plan.settings.confidence_threshold_rule, draft_length=plan.draft_length)
+    engine = SpeculativeEngine(target, drafter, plan=plan)
     request_ids = [engine.submit(input_ids[row, mask[row]], max_new_tokens, eos_token_id=eos, **sampling)
                    for row in range(input_ids.shape[0])]
     outputs = engine.run_until_done()
@@ -161,3 +161,62 @@ def _as_generate_batch(input_ids, mask, sequences: list[torch.LongTensor], pad: 
     for row, tokens in enumerate(new_tokens):
         result[row, prompt_width : prompt_width + tokens.shape[0]] = tokens
     return result
+
+
+@torch.no_grad()
+def batched_speculative_generate(
+    target,
+    drafter,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_id: int | list[int] | None = None,
+    policy: str = "all",
+    policy_arg=None,
+    threshold_rule: str = "cumulative",
+    draft_length: int | None = None,
+    generator: torch.Generator | None = None,
+) -> BatchedOutput:
+    """Lossless speculative decoding of a left-padded batch of prompts with a DSpark, DFlash or Eagle3 drafter.
+
+    Each request's output is distributed exactly as the target's own decoding of that prompt alone (greedy: the
+    same tokens) with the given temperature / top-k / top-p, stopping at `eos_token_id` (default: the target's
+    generation config) or after `max_new_tokens` new tokens. All prompts start together; `SpeculativeEngine` runs
+    the same rounds for requests that arrive over time.
+
+    Args:
+        target: a decoder-only causal LM with full attention on every layer (sdpa or eager).
+        drafter: a `DSparkDraftModel` or `Eagle3DraftModel` trained for `target` (attached here).
+        input_ids, attention_mask: (R, P) left-padded prompts and their mask.
+        policy: how many drafted slots each row verifies per round:
+            ``"all"``: every slot the budget allows (up to `draft_length`);
+            ``"fixed"``: `policy_arg` slots;
+            ``"threshold"``: up to the first slot whose cumulative confidence c_1...c_j is below `policy_arg` (its
+            own c_j with `threshold_rule="per_slot"`, DeepSpec's meaning);
+            ``"scheduler"``: `policy_arg.select_lengths(confidences, max_lengths)` of a `DSparkScheduler`, over all
+            rows together (its `reset()` is called first). The last two need a confidence head (DSpark, not
+            DFlash). `policy` and `threshold_rule` are taken as given here, not from the drafter.
+        draft_length: slots drafted per round; None: the drafter's `num_assistant_tokens` (every slot unless set).
+        generator: random source for drafting and acceptance (sampling only).
+    """
+    engine = SpeculativeEngine(target, drafter, policy, policy_arg, threshold_rule=threshold_rule,
+                               draft_length=draft_length, generator=generator)
+    check_left_padded(input_ids, attention_mask)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be non-negative, got {max_new_tokens}.")
+    prompt_mask = attention_mask.bool()
+    sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k)
+    eos = sorted(eos_ids(target, eos_token_id))
+    request_ids = [engine.submit(input_ids[r, prompt_mask[r]], max_new_tokens, eos_token_id=eos, **sampling)
+                   for r in range(input_ids.shape[0])]
+    outputs = engine.run_until_done()
+    return BatchedOutput(
+        sequences=[outputs[r].to(input_ids.device) for r in request_ids],
+        stats=[engine.returned_stats[r] for r in request_ids],
+        verified_tokens_per_round=engine.verified_tokens_per_round,
+    )

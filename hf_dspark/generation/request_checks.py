@@ -5,7 +5,6 @@ from __future__ import annotations
 from transformers import GenerationConfig
 
 from ..models.errors import UserInputError
-from ..models.identity import BLOCK_DRAFTER_TYPE, drafter_type
 
 _PASSED_BY_GENERATE = {"cache", "attention_mask", "position_ids", "logits_to_keep", "use_cache"}
 BATCH_FIX = "or call generate() one prompt at a time (batch size 1 supports it)."
@@ -31,22 +30,13 @@ def check_request(target, drafter, input_ids, generation_config: GenerationConfi
                 f"speculative_stats are); drop them, {BATCH_FIX}"
             )
     if batched:
-        _check_batch(drafter, streamer)
+        if streamer is not None:
+            raise ValueError("streamer is not supported for a batch of prompts; stream one prompt at a time.")
     else:
         mask = model_kwargs.get("attention_mask")
         if mask is not None and not bool((mask == 1).all()):
             raise UserInputError(_masked_prompt_message(input_ids, mask, generation_config))
     _check_cache_and_inputs(model_kwargs)
-
-
-def _check_batch(drafter, streamer) -> None:
-    if drafter_type(drafter) != BLOCK_DRAFTER_TYPE:
-        raise ValueError(
-            f"generate() with a batch of prompts runs the batched engine, which supports DSpark/DFlash drafters; "
-            f"{type(drafter).__name__} serves one prompt at a time: call generate() per prompt."
-        )
-    if streamer is not None:
-        raise ValueError("streamer is not supported for a batch of prompts; stream one prompt at a time.")
 
 
 def _check_cache_and_inputs(model_kwargs: dict) -> None:

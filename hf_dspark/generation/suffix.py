@@ -47,3 +47,43 @@ class SuffixIndex:
             if end is not None:
                 return self.tokens[end + 1 : end + 1 + limit], n
         return [], 0
+
+
+class SuffixProposer:
+    """One request's suffix drafting: its `SuffixIndex` over the text so far, and the scoring of every proposal it
+    made against the text that followed, into `acceptance` (a `SuffixAcceptance`), whether or not the proposal was
+    verified, so the suffix drafter's statistics never starve while plain steps or the drafter are preferred.
+
+    The batch-1 loop and the engine make one per request and call `extend` with the tokens appended (the prompt,
+    then each round's emitted tokens, host ints) and `propose` before each round."""
+
+    def __init__(self, acceptance, max_ngram: int = 4, max_tokens: int = 7):
+        self.index = SuffixIndex(max_ngram, max_tokens)
+        self.acceptance = acceptance
+        self._watched: list[tuple[int, list[int], int]] = []  # (text length when proposed, proposal, match length)
+
+    def propose(self, limit: int) -> tuple[list[int], int]:
+        """The continuation of the text's longest earlier-seen suffix, at most `limit` tokens, and the match length
+        ([], 0) without one; it is scored once the text that follows it is known."""
+        proposal, match = self.index.propose(limit)
+        if proposal:
+            self._watched.append((len(self.index.tokens), proposal, match))
+        return proposal, match
+
+    def expected_tokens(self, match_length: int, num_tokens: int) -> float:
+        return self.acceptance.expected_tokens(match_length, num_tokens)
+
+    def extend(self, new_tokens) -> None:
+        """Append `new_tokens` to the text and score the proposals whose outcome they settle."""
+        self.index.extend(new_tokens)
+        text, still_open = self.index.tokens, []
+        for start, proposal, match in self._watched:
+            seen = text[start : start + len(proposal)]
+            matched = 0
+            while matched < len(seen) and seen[matched] == proposal[matched]:
+                matched += 1
+            if matched < len(seen) or len(seen) == len(proposal):
+                self.acceptance.record(match, len(proposal), matched)  # what verifying it would have accepted
+            else:
+                still_open.append((start, proposal, match))
+        self._watched = still_open

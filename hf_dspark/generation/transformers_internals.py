@@ -20,11 +20,14 @@ second point above still holds for it.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 
 import torch
 from transformers import DynamicCache, LlamaConfig
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers import cache_utils
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 from transformers.generation.utils import GenerationMixin
 
 SUPPORTED = "transformers 5.24"
@@ -114,13 +117,50 @@ def _runs(columns: list[int]) -> list[tuple[int, int]]:
 
 
 def growing_cache(config) -> DynamicCache | None:
-    """A `DynamicCache` for `config` made of `GrowingLayer`s, or None when some layer is not full attention (a
-    sliding window counts cache slots, which the engine's holes would distort)."""
+    """A `DynamicCache` for `config` made of `GrowingLayer`s, or None when some layer keeps no per-token entries
+    (recurrent or convolution states, layers sharing another's cache). A sliding-window layer becomes a full-length
+    layer too: its window counts cache slots, holes included, so the engine applies it in its own mask instead
+    (`engine_masks`), by position."""
     cache = DynamicCache(config=config)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
         return None
     cache.layers = [GrowingLayer() for _ in cache.layers]
     return cache
+
+
+def attention_layer_types(config) -> list[str]:
+    """Each decoder layer's attention kind ("full_attention", "sliding_attention", ...), as `DynamicCache(config=...)`
+    reads it: `layer_types`, else `sliding_window` / `attention_chunk_size` of the decoder's config."""
+    text = config.get_text_config(decoder=True)
+    read = getattr(cache_utils, "get_layer_types_and_kwargs", None)
+    if read is not None:
+        return list(read(text)[0])
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        return list(types)
+    if getattr(text, "sliding_window", None) is not None:
+        return ["sliding_attention"] * text.num_hidden_layers
+    if getattr(text, "attention_chunk_size", None) is not None:
+        return ["chunked_attention"] * text.num_hidden_layers
+    return ["full_attention"] * text.num_hidden_layers
+
+
+_MASK_MAPPING = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
+
+
+def takes_mask_mapping(target) -> bool:
+    """Whether the target's decoder takes `attention_mask` as a ready mapping {layer type: 4D mask} (and then builds
+    no mask of its own), as transformers' models with mixed layer types do for `generate`."""
+    return _forward_takes_mask_mapping(type(target.base_model))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_mask_mapping(model_class) -> bool:
+    try:
+        source = inspect.getsource(model_class.forward)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return _MASK_MAPPING.search(source) is not None
 
 
 def layer_tensors(layer) -> tuple[torch.Tensor, torch.Tensor]:

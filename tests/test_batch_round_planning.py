@@ -1,0 +1,241 @@
+"""Round planning at every batch size: the engine's planner (drafter block, suffix match or plain step per row, the
+batch's verification width from measured costs) and its losslessness at R > 1."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import prompts, tiny_drafter, tiny_target
+from hf_dspark import DraftingState
+from hf_dspark.generation import batched
+from hf_dspark.generation import batched_speculative_generate
+from hf_dspark.generation.batched import SpeculativeEngine
+from hf_dspark.scheduling.batch_planner import (DRAFTER, NO_DRAFT, SUFFIX, BatchRoundPlanner, RoundCosts, RowOptions,
+                                                SlotAcceptance, expected_tokens)
+from hf_dspark.scheduling.cost_table import VerificationCostTable
+from lossless_checks import assert_three_tokens_match
+from test_batched import assert_rows_equal, left_pad, plain_greedy, use_oracle
+from test_sampling_lossless import TINY_VOCAB, exact_three_token_distribution
+
+MAX_NEW = 16
+
+
+def cpu_like_costs(rows_widths=((2, 1), (2, 5), (3, 1), (3, 5))) -> RoundCosts:
+    """Measured costs of a machine where each token a row verifies beyond its first adds 40% (a CPU)."""
+    costs = RoundCosts()
+    for rows, width in rows_widths:
+        costs.record_forward(rows, width, rows * (0.01 + 0.004 * (width - 1)))
+    costs.record_draft(2, 0.005)
+    costs.record_draft(3, 0.006)
+    return costs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The planner's choices (host arithmetic only)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_unmeasured_shapes_are_priced_from_measured_ones():
+    costs = RoundCosts()
+    assert costs.forward_seconds(4, 3) == 1.0 and costs.draft_seconds(4) == 0.0  # nothing known: a flat machine
+    costs.record_forward(2, 4, 0.8)
+    costs.record_forward(4, 4, 1.6)
+    assert costs.forward_seconds(2, 4) == 0.8  # measured
+    assert costs.forward_seconds(3, 4) == pytest.approx(1.2)  # between: linear in tokens
+    assert costs.forward_seconds(2, 1) == pytest.approx(0.2)  # below the smallest: proportional (optimistic)
+    assert costs.forward_seconds(8, 4) == 1.6  # above the largest: flat (optimistic: tried once, then known)
+    costs.record_forward(2, 4, 100.0)  # a burst of other load moves the estimate at most to twice it, smoothed
+    assert 0.8 < costs.forward_seconds(2, 4) < 1.6
+    table = VerificationCostTable([1.0, 2.0, 3.0, 4.0], draft_seconds=0.5)
+    tabled = RoundCosts(table)
+    assert tabled.forward_seconds(1, 3) == 3.0 and tabled.draft_seconds(2) == 0.5
+    tabled.record_forward(1, 1, 2.0)  # this machine runs at twice the table's times
+    assert tabled.forward_seconds(1, 3) == pytest.approx(6.0)
+    frozen = RoundCosts(table, learn=False)
+    frozen.record_forward(1, 1, 2.0)
+    assert frozen.forward_seconds(1, 1) == 1.0
+
+
+def test_slot_acceptance_and_expected_tokens():
+    acceptance = SlotAcceptance(3, decay=1.0)
+    acceptance.record(verified=3, accepted=1)  # slot 1 accepted, slot 2 rejected, slot 3 never reached
+    acceptance.record(verified=3, accepted=3)
+    assert acceptance.reached == [2.0, 2.0, 1.0] and acceptance.accepted == [2.0, 1.0, 1.0]
+    rates = acceptance.rates([0.5, 0.5, 0.5], prior_weight=2.0)
+    assert rates == pytest.approx([3 / 4, 2 / 4, 2 / 3])
+    assert expected_tokens(rates, 2) == pytest.approx([1.0, 1.75, 1.75 + 0.375])
+
+
+def test_plain_steps_when_drafts_do_not_pay_on_a_cpu_like_machine():
+    planner = BatchRoundPlanner(cpu_like_costs())
+    poor = expected_tokens([0.2] * 4, 4)
+    plan = planner.plan([RowOptions(4, [1.0], poor), RowOptions(4, [1.0], poor)])
+    assert not plan.use_drafter and plan.sources == [NO_DRAFT, NO_DRAFT] and plan.width == 1
+    # A drafter whose drafts are all accepted pays even when a forward costs in proportion to its tokens.
+    good = expected_tokens([1.0] * 4, 4)
+    plan = planner.plan([RowOptions(4, [1.0], good), RowOptions(4, [1.0], good)])
+    assert plan.use_drafter and plan.sources == [DRAFTER, DRAFTER] and plan.lengths == [4, 4]
+
+
+def test_each_row_takes_its_best_proposal_within_the_batch_width():
+    planner = BatchRoundPlanner(cpu_like_costs())
+    sure_suffix = [1.0, 2.0, 3.0, 4.0, 5.0]  # a suffix proposal whose 4 tokens are surely accepted
+    plan = planner.plan([RowOptions(4, sure_suffix, [1.0] * 5), RowOptions(4, [1.0], expected_tokens([0.0] * 4, 4)),
+                         RowOptions(4, sure_suffix[:3], [1.0] * 5)])
+    # Width 3 (E = 7 for 3 rows x 3 tokens) beats width 5 (E = 9 for 3 rows x 5): the batch verifies two each.
+    assert plan.sources == [SUFFIX, NO_DRAFT, SUFFIX] and plan.lengths == [2, 0, 2]
+    assert not plan.use_drafter  # no row drafts: the drafter does not run
+
+
+def test_a_flat_machine_drafts_and_a_plain_winner_still_probes_the_drafter():
+    flat = BatchRoundPlanner(RoundCosts())  # nothing measured: every forward costs the same, drafting is free
+    assert flat.plan([RowOptions(3, [1.0], expected_tokens([0.1] * 3, 3))] * 2).use_drafter
+    planner = BatchRoundPlanner(cpu_like_costs(), probe_every=4, max_probe_every=8)
+    poor = [RowOptions(4, [1.0], expected_tokens([0.1] * 4, 4))] * 2
+    drafted = [planner.plan(poor).use_drafter for _ in range(30)]
+    # Every 4th round probes, then every 8th once probes keep losing.
+    assert drafted[:4] == [False, False, False, True]
+    gaps = [b - a for a, b in zip([i for i, d in enumerate(drafted) if d], [i for i, d in enumerate(drafted) if d][1:])]
+    assert gaps and gaps[-1] == 8
+    assert not planner.plan(poor, drafter_possible=False).use_drafter
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The engine: every row is its own plain greedy output, whatever the planner picks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def repetitive_prompts(count: int) -> list[torch.Tensor]:
+    """Prompts that repeat themselves, so suffix matches are proposed (and partly accepted)."""
+    base = prompts(count, length=5, seed=11)
+    return [torch.cat([p, p, p[:, :3]], dim=1) for p in base]
+
+
+@pytest.mark.parametrize("kind", ["markov", "dflash"])
+def test_planned_rounds_mix_proposers_and_every_row_is_its_plain_greedy(monkeypatch, kind):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, kind, block_size=4)
+    drafter.generation_config.dspark_suffix_drafting = True
+    prompt_list = repetitive_prompts(3) + prompts(2, length=6, seed=5)
+    references = [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW + 8)[0] for p in prompt_list]
+    use_oracle(monkeypatch, references, block_size=4)  # drafts accepted 0..4 deep
+    engine = SpeculativeEngine(target, drafter)
+    suffix = engine.planning.suffix_acceptance
+    suffix.prior_accepted, suffix.prior_rejected = 6.0, 1.0  # suffix matches start out promising
+    ids = [engine.submit(p[0], MAX_NEW) for p in prompt_list]
+    outputs = engine.run_until_done()
+    for request, reference in zip(ids, plain_greedy(target, prompt_list)):
+        assert torch.equal(outputs[request], reference)
+    sources = Counter(s for request in ids for s in engine.returned_stats[request].sources)
+    assert sources["drafter"] > 0 and sources["suffix"] > 0, sources
+
+
+def test_generate_route_plans_rounds_with_greedy_identity_and_stats():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, "markov", block_size=4, suffix_drafting=True)
+    prompt_list = repetitive_prompts(2) + prompts(2, length=4, seed=9)
+    ids, mask = left_pad(prompt_list)
+    state = DraftingState()
+    state.statistics.suffix.prior_accepted = 6.0  # the call's state: suffix matches start out promising
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
+                          max_new_tokens=MAX_NEW, return_dict_in_generate=True, dspark_state=state)
+    expected = [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW)[0] for p in prompt_list]
+    for row, reference in enumerate(expected):
+        new = out.sequences[row, ids.shape[1]:]
+        assert new[: reference.shape[0] - prompt_list[row].shape[1]].tolist() == reference[prompt_list[row].shape[1]:].tolist()
+    assert "suffix" in out.speculative_stats.sources
+    assert sum(state.statistics.suffix.reached.values()) > 0  # the engine scored its proposals into the call's state
+
+
+def test_no_drafter_pass_in_rounds_the_planner_makes_plain():
+    """Measured costs where drafts never pay: after the first rounds only probes run the drafter."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    drafter.generation_config.dspark_suffix_drafting = False
+    passes = []
+    drafter.register_forward_hook(lambda *args: passes.append(1))
+    engine = SpeculativeEngine(target, drafter)
+    costs = engine.planning.costs
+    costs.learn = False  # keep these prices whatever the rounds measure
+    for rows in range(1, 4):
+        for width in range(1, 6):
+            costs.forward[rows, width] = 0.01 * rows * width
+        costs.draft[rows] = 0.05
+    prompt_list = prompts(3, length=6)
+    ids = [engine.submit(p[0], 40) for p in prompt_list]
+    outputs = engine.run_until_done()
+    for request, prompt in zip(ids, prompt_list):
+        assert torch.equal(outputs[request], target.generate(prompt, do_sample=False, max_new_tokens=40)[0])
+    rounds = len(engine.verified_tokens_per_round)
+    assert rounds > 30 and 0 < len(passes) <= 1 + rounds // 16, (len(passes), rounds)
+
+
+@pytest.mark.parametrize("kind", ["markov", "dflash"])
+def test_engine_joining_rows_with_planning_match_plain_greedy(monkeypatch, kind):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, kind, block_size=4, suffix_drafting=True)
+    prompt_list = repetitive_prompts(3) + prompts(2, length=9, seed=3)
+    references = [target.generate(p, do_sample=False, max_new_tokens=30)[0] for p in prompt_list]
+    use_oracle(monkeypatch, references, block_size=4)
+    engine = SpeculativeEngine(target, drafter)
+    max_new = [14, 6, 20, 9, 12]
+    ids, outputs = {}, {}
+    for step in range(200):
+        if step < len(prompt_list):
+            ids[engine.submit(prompt_list[step][0], max_new[step])] = step
+        outputs.update(engine.step())
+        if len(outputs) == len(prompt_list):
+            break
+    for request, index in ids.items():
+        reference = target.generate(prompt_list[index], do_sample=False, max_new_tokens=max_new[index])[0]
+        assert torch.equal(outputs[request], reference), index
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sampling at R > 1 through the planner: the joint of three new tokens is the target's
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # a sampling-distribution test
+def test_planned_batched_sampling_matches_target_distribution(monkeypatch):
+    target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None, bos_token_id=None)
+    drafter = tiny_drafter(target, "markov", block_size=3, suffix_drafting=True)
+    prompt = torch.tensor([[1, 4, 2, 1, 4]])  # "1 4" repeats: suffix proposals ("2 ...") from the first round
+    temperature, top_p = 0.7, 0.9
+    joint = exact_three_token_distribution(target, prompt, temperature, top_p)
+    biased = exact_three_token_distribution(target, prompt, temperature * temperature, top_p)
+    # Rows plan differently: each engine's planner is primed so some rows verify suffix proposals, some the
+    # drafter's block and some only their anchor, decided from earlier rounds only.
+    original_plan = batched.EngineRoundPlanning.plan
+    choices: Counter = Counter()
+
+    def varied_plan(self, request_ids, requests, budgets, drafter_possible):
+        plan = original_plan(self, request_ids, requests, budgets, drafter_possible)
+        for row, request_id in enumerate(request_ids):
+            kind = ("drafter", "none", "suffix")[request_id % 3]
+            proposal = self.requests[request_id].proposal
+            if kind == "suffix" and proposal:
+                plan.sources[row], plan.lengths[row] = "suffix", min(len(proposal), budgets[row])
+            elif kind == "drafter" and drafter_possible and budgets[row] > 0:
+                plan.use_drafter = True
+                plan.sources[row], plan.lengths[row] = "drafter", budgets[row]
+            else:
+                plan.sources[row], plan.lengths[row] = "none", 0
+        choices.update(plan.sources)
+        return plan
+
+    monkeypatch.setattr(batched.EngineRoundPlanning, "plan", varied_plan)
+    batch, calls = 48, 50
+    ids = prompt.repeat(batch, 1)
+    mask = torch.ones_like(ids)
+    generator = torch.Generator().manual_seed(7)
+    counts = torch.zeros(TINY_VOCAB, TINY_VOCAB, TINY_VOCAB)
+    for _ in range(calls):
+        out = batched_speculative_generate(target, drafter, ids, mask, max_new_tokens=5, do_sample=True,
+                                           temperature=temperature, top_p=top_p, generator=generator)
+        for sequence in out.sequences:
+            x1, x2, x3 = sequence[5:8].tolist()
+            counts[x1, x2, x3] += 1
+    assert choices["drafter"] > 0 and choices["suffix"] > 0 and choices["none"] > 0, choices
+    assert_three_tokens_match(counts, joint, biased, batch * calls)
