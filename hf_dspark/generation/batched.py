@@ -31,17 +31,16 @@ from __future__ import annotations
 
 import torch
 
-from ..models.identity import drafter_type
 from ..models.modeling_dspark import DSparkDraftModel
 from ..scheduling.draft_length import DraftLengthRule
 from .batch_state import BatchRows, to_device
-from .drafting import Drafts, draft_block, verify_drafts
+from .drafting import Drafts, draft_block, draft_input_block, emitted_drafts, verify_drafts
 from ..scheduling.batch_planner import DRAFTER
 from .engine_planning import EngineRoundPlanning, with_suffix_drafts
 from .plan import DraftingPlan
 from .engine_eagle3 import row_drafter_for
 from .engine_checks import (check_drafter, check_left_padded, check_resume, check_target, checked_prompt,
-                            drafter_defaults)
+                            engine_plan)
 from .engine_requests import (BatchedOutput, EngineGate, EngineSnapshot, ParkedCache, Request, emit, eos_ids,
                               park_finished)
 from .engine_rounds import (PlainChoice, commit_round, left_padded, plain_step, prefill, prefill_resumed,
@@ -58,9 +57,9 @@ def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor,
     (`draft_block`, as at batch 1) and the draft-length rule on the device: each row verifies at most its
     `budget`, and under a threshold or the scheduler fewer, decided from its confidences c_1..c_k alone."""
     config = drafter.config
-    num_rows, width = rows.anchor.shape[0], config.block_size  # the input block [anchor, MASK, ...]
+    num_rows, width = rows.anchor.shape[0], config.block_size
     device = rows.anchor.device
-    block = torch.cat([rows.anchor[:, None], rows.anchor.new_full((num_rows, width - 1), config.mask_token_id)], 1)
+    block = draft_input_block(rows.anchor, config)
     context_valid = torch.cat([rows.draft_valid, rows.pending_valid], dim=1)
     mask = torch.cat([context_valid[:, None, :].expand(-1, width, -1),
                       context_valid.new_ones(num_rows, width, width)], dim=-1)[:, None]
@@ -77,10 +76,10 @@ def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor,
 
 
 def _round_planning(drafter, plan: DraftingPlan | None, slots: int) -> EngineRoundPlanning | None:
-    """The engine's round planner, with the plan's settings (else the drafter's `generation_config` defaults)."""
+    """The engine's round planner, with the plan's settings."""
     if drafter is None:
         return None
-    settings = (plan if plan is not None else DraftingPlan.for_call(drafter)).settings
+    settings = plan.settings
     return EngineRoundPlanning(slots, planning=settings.round_planning, suffix_drafting=settings.suffix_drafting,
                                cost_table=settings.cost_table, learn_costs=settings.learn_round_costs,
                                suffix_acceptance=settings.state.statistics.suffix)
@@ -132,27 +131,24 @@ class SpeculativeEngine:
                  threshold_rule: str | None = None, draft_length: int | None = None,
                  generator: torch.Generator | None = None, keep_stats: bool = False, plan: DraftingPlan | None = None):
         self.plain = drafter is None
-        if plan is not None:  # generate()'s call: its plan, checked once, sets everything
-            policy, policy_arg, draft_length = plan.policy, plan.policy_arg, plan.draft_length
-            threshold_rule = plan.settings.confidence_threshold_rule
         if self.plain:
-            if policy not in (None, "all") or draft_length is not None:
-                raise ValueError("an engine without a drafter verifies no drafts: leave policy and draft_length "
-                                 "unset, or pass the drafter.")
-            policy = "all"
+            if policy not in (None, "all") or draft_length is not None or plan is not None:
+                raise ValueError("an engine without a drafter verifies no drafts: leave policy, draft_length and "
+                                 "plan unset, or pass the drafter.")
             check_target(target)
             self.rule, self.gamma, self.layer_indices, self.feature_device = None, 0, (), None
         else:
-            if drafter_type(drafter) is not None:  # anything else is refused by check_drafter
-                policy, policy_arg, threshold_rule, draft_length = drafter_defaults(
-                    drafter, policy, policy_arg, threshold_rule, draft_length)
-            self.rule, self.gamma = check_drafter(target, drafter, policy, policy_arg, threshold_rule, draft_length)
+            check_drafter(target, drafter)
+            # generate()'s call passes its plan down unchanged; an engine built directly makes one of its arguments.
+            plan = plan if plan is not None else engine_plan(drafter, policy, policy_arg, threshold_rule, draft_length)
+            self.rule = plan.length_rule()
+            self.gamma = self.rule.max_slots(plan.draft_length)
             drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
             self.layer_indices, self.feature_device = drafter.target_hidden_state_indices, drafter.device
-        self.target, self.drafter = target, drafter
+        self.target, self.drafter, self.plan = target, drafter, plan
         self._draft_rows = row_drafter_for(drafter) or _draft  # this drafter kind's pass, for all rows at once
         self.planning = _round_planning(drafter, plan, self.gamma)
-        self.policy, self.policy_arg = policy, policy_arg
+        self.policy, self.policy_arg = (plan.policy, plan.policy_arg) if plan is not None else ("all", None)
         self.generator = generator
         self.device = target.device
         self._vocab_size = target.get_input_embeddings().weight.shape[0]
@@ -382,9 +378,7 @@ class SpeculativeEngine:
         done = emit(requests, [row[1:] for row in values], [count + 1 for count in accepted])
         for request, source, length, count, start, slot_confidences in zip(
                 requests, plan.sources, lengths, accepted, before, confidences):
-            # A row that stops inside its drafts (EOS) counts only the drafts it emitted (as batch 1 does).
-            count = min(count, request.emitted - start - 1)
-            request.stats.record(length, count, slot_confidences, source)
+            request.stats.record(length, emitted_drafts(count, request.emitted - start), slot_confidences, source)
         # A row that goes on emitted all its tokens, the last being the target's: the next anchor.
         return self._retire(done, lambda: new_tokens.gather(1, num_accepted[:, None]).squeeze(1))
 

@@ -24,7 +24,7 @@ from ..models.layers import DraftContextCache
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
 from ..scheduling.round_planner import DRAFTER, NO_DRAFT, SUFFIX
-from .drafting import Drafts, draft_block, one_hot_probs
+from .drafting import Drafts, draft_block, draft_input_block, one_hot_probs
 from .engine_eagle3 import context_pass, draft_chain
 from .plan import DraftingPlan
 from .sampling import ProcessorSampling
@@ -145,9 +145,7 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
         self.rule = self.plan.length_rule()
 
     def _backbone(self, input_ids, features):
-        config = self.drafter.config
-        anchor = input_ids[:, -1:]
-        block = torch.cat([anchor, anchor.new_full((1, config.block_size - 1), config.mask_token_id)], dim=-1)
+        block = draft_input_block(input_ids[:, -1], self.drafter.config)
         return self.drafter(input_ids=block, target_hidden_states=features, cache=self.cache)
 
     def _draft(self, input_ids, features, budget) -> Drafts:

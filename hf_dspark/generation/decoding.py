@@ -15,7 +15,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from ..models.drafter_base import DraftPreTrainedModel
 from .candidates import candidate_generator_for
-from .drafting import Drafts, verify_drafts
+from .drafting import Drafts, emitted_drafts, round_tokens, verify_drafts
 from .generate_batch import batched_speculative_decoding
 from .outputs import SpeculativeDecoderOnlyOutput
 from .plan import DraftingPlan
@@ -83,17 +83,14 @@ def _decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, g
         sampling.sequence = sequence
         num_accepted, next_token, processed = verify_drafts(sampling, target_logits, drafts)
         drafted = drafts.length
-        new_tokens = torch.cat([drafts.tokens[:, :drafted], next_token[:, None]], dim=1)
-        new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
+        new_tokens = round_tokens(drafts.tokens[:, :drafted], num_accepted, next_token)
         # The round's one read of the device in this loop: the accepted count and the tokens it emits.
         values = torch.cat([num_accepted, new_tokens[0]]).tolist()
         accepted, emitted = values[0], values[1 : 2 + values[0]]
         sequence, count, finished, scores, raw_logits = append_until_stop(
             sequence, new_tokens, emitted, stop_rule, stopping_criteria, processed, target_logits, scores, raw_logits)
         if not is_prefill:
-            # A round that stops inside its drafts (EOS) emits `count` tokens, the last standing for the target's
-            # own: drafts matched past the stop were never emitted and do not count (llama.cpp counts alike).
-            generator.record_round(min(accepted, count - 1), drafted)
+            generator.record_round(emitted_drafts(accepted, count), drafted)
         is_prefill = False
         if streamer is not None:
             streamer.put(new_tokens[:, :count].cpu())

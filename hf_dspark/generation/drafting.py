@@ -42,6 +42,27 @@ class Drafts:
                    torch.zeros(num_rows, dtype=torch.long, device=device), length=0)
 
 
+def draft_input_block(anchor: torch.LongTensor, config) -> torch.LongTensor:
+    """The backbone's input for R rows: `[anchor, MASK x (block_size - 1)]`, (R, block_size)."""
+    masks = anchor.new_full((anchor.shape[0], config.block_size - 1), config.mask_token_id)
+    return torch.cat([anchor[:, None], masks], dim=1)
+
+
+def round_tokens(draft_tokens: torch.LongTensor, num_accepted: torch.LongTensor,
+                 next_token: torch.LongTensor) -> torch.LongTensor:
+    """A round's tokens per row (R, k + 1): its accepted drafts, then the target's token at `num_accepted` (the
+    positions after it are never emitted)."""
+    tokens = torch.cat([draft_tokens, next_token[:, None]], dim=1)
+    return tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
+
+
+def emitted_drafts(accepted: int, emitted: int) -> int:
+    """Drafts a round emitted: its accepted ones, unless the row stopped inside them (EOS, a length limit), when the
+    last emitted token stands for the target's own (drafts matched past the stop were never emitted; llama.cpp
+    counts alike)."""
+    return min(accepted, emitted - 1)
+
+
 def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTensor, slots: int, sampling,
                 generator: torch.Generator | None = None) -> tuple[torch.LongTensor, torch.Tensor | None,
                                                                      torch.Tensor | None]:

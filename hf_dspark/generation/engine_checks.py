@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from ..models.identity import drafter_type
-from ..scheduling.draft_length import DraftLengthRule
 from .engine_requests import ParkedCache
 from .engine_masks import mask_kinds
-from .plan import DraftingPlan, drafter_has_confidences
+from .plan import DraftingPlan
+from .settings import checked_draft_length
 from .transformers_internals import growing_cache
 
 _HOLE_SAFE_ATTENTION = ("sdpa", "eager")
@@ -43,39 +43,29 @@ def new_target_cache(target):
     return cache
 
 
-def drafter_defaults(drafter, policy, policy_arg, threshold_rule, draft_length):
-    """The engine settings not given, from the drafter's `generation_config` (the plan `generate()` would make)."""
-    if policy is not None and threshold_rule is not None and draft_length is not None:
-        return policy, policy_arg, threshold_rule, draft_length
-    plan = DraftingPlan.for_call(drafter)
-    if policy is None:
-        policy, policy_arg = plan.policy, plan.policy_arg
-    threshold_rule = threshold_rule if threshold_rule is not None else plan.settings.confidence_threshold_rule
-    return policy, policy_arg, threshold_rule, draft_length if draft_length is not None else plan.draft_length
+def engine_plan(drafter, policy, policy_arg, threshold_rule, draft_length) -> DraftingPlan:
+    """The plan of an engine built directly: its arguments are the settings of one call, checked once by
+    `DraftingPlan.for_call` (the unset ones from the drafter's `generation_config`, as `generate()` resolves them)."""
+    call = {}
+    if policy is not None:
+        call["dspark_verification_policy"] = (policy, policy_arg)
+    if threshold_rule is not None:
+        call["dspark_confidence_threshold_rule"] = threshold_rule
+    if draft_length is not None:
+        call["num_assistant_tokens"] = checked_draft_length(draft_length, drafter.config.num_draft_slots,
+                                                            name="draft_length")
+    return DraftingPlan.for_call(drafter, call)
 
 
-def check_drafter(target, drafter, policy, policy_arg, threshold_rule,
-                  draft_length) -> tuple[DraftLengthRule, int]:
-    """Refuse what the engine cannot run, before any work; returns the draft-length rule and the slots drafted."""
+def check_drafter(target, drafter) -> None:
+    """Refuse what the engine cannot run, before any work: drafters that are not hf_dspark's, targets it cannot
+    batch."""
     if drafter_type(drafter) is None:
         raise ValueError(
             f"Batched speculative decoding runs hf_dspark drafters (DSparkDraftModel, Eagle3DraftModel), got "
             f"{type(drafter).__name__}."
         )
     check_target(target)
-    rule = DraftLengthRule(policy, policy_arg, threshold_rule)  # refuses a malformed policy
-    if policy in ("threshold", "scheduler") and not drafter_has_confidences(drafter):
-        raise ValueError(
-            f"policy {policy!r} needs the drafter's confidence head; this drafter has none (DFlash, Eagle3). "
-            "Use policy 'all' or 'fixed'."
-        )
-    slots = drafter.config.num_draft_slots
-    if draft_length is None:
-        return rule, rule.max_slots(slots)
-    if isinstance(draft_length, bool) or not isinstance(draft_length, int) or not 1 <= draft_length <= slots:
-        raise ValueError(f"draft_length must be an int from 1 to the drafter's {slots} draft slots, or None for all "
-                         f"of them; got {draft_length!r}.")
-    return rule, rule.max_slots(draft_length)
 
 
 def checked_prompt(input_ids, vocab_size: int) -> torch.LongTensor:

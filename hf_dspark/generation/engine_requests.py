@@ -14,6 +14,7 @@ import torch
 from .batch_state import BatchRows
 from .sampling import SamplingParams
 from .stats import SpeculativeStats
+from .stopping import HostStoppingRule
 from .transformers_internals import restore_layers, snapshot_layers
 
 
@@ -73,13 +74,11 @@ def emit(requests: list[Request], new_tokens: list[list[int]], counts: list[int]
     as plain decoding would (every row's EOS found at once in the values read). Returns which rows finished."""
     finished = []
     for request, tokens, count in zip(requests, new_tokens, counts):
-        done = False
-        for token in tokens[:count]:
-            request.tokens.append(token)
-            request.emitted += 1
-            if token in request.eos or request.emitted >= request.max_new_tokens:
-                done = True
-                break
+        # The batch-1 loop's rule, with the request's own limits: its length cap counts its prompt.
+        rule = HostStoppingRule(len(request.tokens) - request.emitted + request.max_new_tokens, request.eos)
+        appended, done = rule.first_stop(tokens[:count], len(request.tokens))
+        request.tokens.extend(tokens[:appended])
+        request.emitted += appended
         finished.append(done)
     return finished
 

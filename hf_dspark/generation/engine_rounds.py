@@ -13,7 +13,7 @@ from ..models.layers import DraftContextCache
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
 from .batch_state import BatchRows, to_device
-from .drafting import Drafts, verify_drafts
+from .drafting import Drafts, round_tokens, verify_drafts
 from .engine_eagle3 import project_queued
 from .engine_requests import ParkedCache, Request
 from .sampling import RowSampling
@@ -129,8 +129,7 @@ def verify_round(target, rows: BatchRows, drafts: Drafts, width: int, layer_indi
     target_logits, features = target_forward(target, rows, tokens, new_valid, positions, layer_indices, keep=width,
                                              feature_device=feature_device)
     num_accepted, next_token, _ = verify_drafts(sampling, target_logits, drafts, generator)
-    new_tokens = torch.cat([drafts.tokens[:, : width - 1], tokens.new_zeros(tokens.shape[0], 1)], dim=1)
-    new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
+    new_tokens = round_tokens(drafts.tokens[:, : width - 1], num_accepted, next_token)
     return new_tokens, num_accepted, features, positions
 
 

@@ -122,13 +122,13 @@ def _generation_config_table(value):
     return value
 
 
-def checked_draft_length(value, slots: int) -> int:
-    """`num_assistant_tokens` as an int in 1..slots (None: all `slots`)."""
+def checked_draft_length(value, slots: int, name: str = "num_assistant_tokens") -> int:
+    """`num_assistant_tokens` (the engine's `draft_length`: `name`) as an int in 1..slots (None: all `slots`)."""
     if value is None:
         return slots
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= slots:
         raise ValueError(
-            f"num_assistant_tokens must be an int from 1 to the drafter's {slots} draft slots "
+            f"{name} must be an int from 1 to the drafter's {slots} draft slots "
             f"(config.num_draft_slots), or None for all of them; got {value!r}. A drafter predicts only the slots it "
             "was trained for."
         )
