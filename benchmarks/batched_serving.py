@@ -27,7 +27,7 @@ import torch
 
 import hf_dspark
 from hf_dspark.evaluation.prompts import chat_input_ids, load_prompt_sets
-from hf_dspark.generation.batched import SpeculativeEngine
+from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.models.loading import shipped_drafter_path
 from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable, profile_verification_costs
 from hf_dspark.scheduling.simulation import ConfidenceModel, expected_tau, gpu_like_costs, simulate_policy

@@ -26,7 +26,7 @@ import torch
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 import hf_dspark
-from hf_dspark.generation.target_forward import verification_buckets
+from hf_dspark.generation.one_prompt.target_runners import verification_buckets
 
 MODES = ("plain", "plain compiled", "ours eager", "ours compiled")
 

@@ -8,9 +8,9 @@ import torch
 
 from conftest import prompts, tiny_drafter, tiny_target
 from hf_dspark import DraftingState
-from hf_dspark.generation import batched
+from hf_dspark.generation.engine import speculative_engine as batched
 from hf_dspark.generation import batched_speculative_generate
-from hf_dspark.generation.batched import SpeculativeEngine
+from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.scheduling.batch_planner import (DRAFTER, NO_DRAFT, SUFFIX, BatchRoundPlanner, RoundCosts, RowOptions,
                                                 SlotAcceptance, expected_tokens)
 from hf_dspark.scheduling.cost_table import VerificationCostTable

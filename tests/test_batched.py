@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import hf_dspark.generation.batched as batched
-import hf_dspark.generation.engine_rounds as engine_rounds
+import hf_dspark.generation.engine.speculative_engine as batched
+import hf_dspark.generation.engine.passes as engine_rounds
 from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
 from conftest import VOCAB, prompts, tiny_drafter, tiny_target

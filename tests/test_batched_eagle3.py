@@ -8,9 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-import hf_dspark.generation.batched as batched
+import hf_dspark.generation.engine.speculative_engine as batched
 from hf_dspark.evaluation.host_syncs import HostSyncCounter
-from hf_dspark.generation import candidates, engine_eagle3
+from hf_dspark.generation.one_prompt import proposers as candidates
+from hf_dspark.generation.engine import eagle3 as engine_eagle3
 from hf_dspark.generation import batched_speculative_generate
 from conftest import VOCAB, prompts, tiny_drafter, tiny_target
 from lossless_checks import assert_three_tokens_match

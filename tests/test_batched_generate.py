@@ -45,7 +45,7 @@ def test_greedy_batch_matches_plain_greedy_per_prompt(kind):
 
     stats = drafter.last_generation_stats
     assert len(out.request_stats) == 3 and stats.num_rounds == sum(s.num_rounds for s in out.request_stats) > 0
-    assert max(stats.draft_lengths) == 4  # default policy "all"
+    assert 0 < max(stats.draft_lengths) <= 4  # the round planner drafts (a first round, probes), within the block
 
 
 def test_rows_that_stop_at_eos_are_padded_on_the_right():

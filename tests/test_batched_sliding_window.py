@@ -1,7 +1,7 @@
 """Targets with sliding-window layers in the batched engine: every row equals its prompt's own plain greedy decoding.
 
 The engine's target cache keeps holes, and transformers' sliding-window mask counts cache slots, holes included; the
-engine masks by position instead (hf_dspark/generation/engine_masks.py). The window here (3) is far smaller than
+engine masks by position instead (hf_dspark/generation/engine/masks.py). The window here (3) is far smaller than
 prompt + generation, and the drafts are rigged so that rows accept different numbers of them (holes at different
 places in every row). `test_logits_after_holes_are_each_rows_own` compares logits, which a wrong window moves even
 where a random target's argmax does not; `test_a_slot_counted_window_changes_the_output` shows the token checks catch a
@@ -16,12 +16,12 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
                           Qwen3ForCausalLM, Qwen3NextConfig)
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
-import hf_dspark.generation.batched as batched
-import hf_dspark.generation.engine_rounds as engine_rounds
+import hf_dspark.generation.engine.speculative_engine as batched
+import hf_dspark.generation.engine.passes as engine_rounds
 from hf_dspark.generation import batched_speculative_generate
-from hf_dspark.generation.engine_checks import new_target_cache
-from hf_dspark.generation import engine_masks
-from hf_dspark.generation.engine_masks import FULL, SLIDING, MaskKinds, mask_kinds, target_attention_mask
+from hf_dspark.generation.engine.checks import new_target_cache
+from hf_dspark.generation.engine import masks as engine_masks
+from hf_dspark.generation.engine.masks import FULL, SLIDING, MaskKinds, mask_kinds, target_attention_mask
 from conftest import VOCAB, prompts, tiny_drafter, tiny_target
 from test_batched import assert_rows_equal, left_pad, run_staggered, use_oracle
 
@@ -65,6 +65,7 @@ def run_rigged(monkeypatch, target, prompt_list, references):
     use_oracle(monkeypatch, references, block_size=4)
     ids, mask = (tensor.to(target.device) for tensor in left_pad([p.cpu() for p in prompt_list]))
     drafter = tiny_drafter(target, "markov", block_size=4).to(target.device)
+    drafter.generation_config.dspark_round_planning = False  # every round verifies the rigged drafts
     return batched_speculative_generate(target, drafter, ids, mask, max_new_tokens=MAX_NEW, policy="all")
 
 

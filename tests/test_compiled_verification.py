@@ -15,7 +15,7 @@ import torch
 from transformers import CompileConfig, DynamicCache, GenerationConfig, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from hf_dspark.generation.target_forward import (DynamicTargetRunner, StaticTargetRunner, target_runner_for,
+from hf_dspark.generation.one_prompt.target_runners import (DynamicTargetRunner, StaticTargetRunner, target_runner_for,
                                                  verification_buckets)
 from hf_dspark import DraftingState
 from hf_dspark.scheduling import VerificationCostTable

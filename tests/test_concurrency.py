@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-import hf_dspark.generation.engine_rounds as engine_rounds
-from hf_dspark.generation.batched import SpeculativeEngine
+import hf_dspark.generation.engine.passes as engine_rounds
+from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.models.modeling_dspark import DSparkDecoderLayer
 from conftest import prompts, tiny_drafter, tiny_target
 

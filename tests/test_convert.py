@@ -494,8 +494,8 @@ def test_minus_one_converts_both_ways_and_other_negative_ids_are_refused(qwen3, 
 def _record_rounds(monkeypatch, drafter):
     """Per drafting pass (batch 1 and batched): every confidence `slot_confidences` computed (what decides the length),
     the budget and the resulting draft lengths."""
-    from hf_dspark.generation import batched
-    from hf_dspark.generation.candidates import DSparkCandidateGenerator
+    from hf_dspark.generation.engine import speculative_engine as batched
+    from hf_dspark.generation.one_prompt.proposers import DSparkCandidateGenerator
 
     rounds, slot_confidences = [], drafter.slot_confidences
 
@@ -1035,7 +1035,7 @@ def test_a_round_stopped_by_eos_counts_only_the_drafts_it_emits(monkeypatch):
     round emits its accepted drafts plus one target token; with the stop inside the drafts, the EOS is that token
     (as llama.cpp counts it), so tokens = 1 (from the prompt's forward) + sum(accepted + 1) holds to the end."""
     from hf_dspark.generation import batched_speculative_generate
-    from hf_dspark.generation.candidates import DSparkCandidateGenerator
+    from hf_dspark.generation.one_prompt.proposers import DSparkCandidateGenerator
     from test_batched import left_pad, use_oracle
 
     target, block = tiny_target("llama"), 4

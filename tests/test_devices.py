@@ -342,7 +342,7 @@ def test_rows_must_be_a_positive_count():
 def test_a_drafter_keeps_its_own_precision_after_drafting_for_a_bfloat16_target(saved_drafter):
     """Following a bfloat16 target casts for the call only: afterwards, and beside a float32 target, the drafter's
     weights are its own float32 ones bit for bit, and it drafts exactly as a freshly loaded one."""
-    from hf_dspark.generation.batched import SpeculativeEngine
+    from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 
     fresh = load_drafter(saved_drafter, torch.float32)
     original = {name: value.clone() for name, value in fresh.state_dict().items()}

@@ -16,7 +16,7 @@ from hf_dspark.evaluation.quality import (
     reference_answer,
     run_tests,
 )
-from hf_dspark.generation.stats import SpeculativeStats
+from hf_dspark.generation.round.stats import SpeculativeStats
 from saved_chat_models import save_chat_target_and_drafters
 from test_regeneration import tokenizer  # noqa: F401  (fixture)
 

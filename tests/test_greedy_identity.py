@@ -9,8 +9,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from hf_dspark import DraftingState
-from hf_dspark.generation.candidates import DraftCandidateGenerator
-from hf_dspark.generation.sampling import ProcessorSampling
+from hf_dspark.generation.one_prompt.proposers import DraftCandidateGenerator
+from hf_dspark.generation.round.sampling import ProcessorSampling
 from conftest import prompts, tiny_drafter, tiny_target
 
 DRAFTER_KINDS = ["markov", "gated", "rnn", "dflash", "eagle3"]

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from hf_dspark.evaluation.host_syncs import HostSyncCounter
-from hf_dspark.generation import batched, candidates, drafting
-from hf_dspark.generation.batched import SpeculativeEngine
+from hf_dspark.generation.engine import speculative_engine as batched
+from hf_dspark.generation.one_prompt import proposers as candidates
+from hf_dspark.generation.round import drafting
+from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
 from conftest import prompts, tiny_drafter, tiny_target
 
@@ -82,10 +84,10 @@ def test_an_engine_step_reads_the_device_at_most_four_times_whatever_the_rows(ro
 
 def test_both_loops_draft_and_verify_through_the_one_core():
     assert candidates.draft_block is batched.draft_block is drafting.draft_block
-    assert batched.verify_drafts is drafting.verify_drafts
-    from hf_dspark.generation import decoding
+    from hf_dspark.generation.one_prompt import loop as decoding
+    from hf_dspark.generation.round import verification
 
-    assert decoding.verify_drafts is drafting.verify_drafts
+    assert batched.verify_drafts is verification.verify_drafts is decoding.verify_drafts
     # Batch 1 and the engine at R = 1 draft the same tokens on the same context (greedy, no cost table).
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "markov", block_size=4)

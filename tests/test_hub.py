@@ -82,10 +82,10 @@ def test_saved_folder_carries_auto_map_modeling_code_and_custom_generate(saved):
     for name in ("modeling_dspark.py", "configuration_dspark.py", "drafter_base.py", "model.safetensors"):
         assert (folder / "markov" / name).is_file()
     custom = folder / "markov" / "custom_generate"
-    for name in ("generate.py", "decoding.py", "verification.py", "requirements.txt"):
+    for name in ("generate.py", "dispatch.py", "loop.py", "verification.py", "requirements.txt"):
         assert (custom / name).is_file()
     # The lossless rule is shipped verbatim, never a hand-written second copy.
-    verification = (ROOT / "hf_dspark" / "generation" / "verification.py").read_text()
+    verification = (ROOT / "hf_dspark" / "generation" / "round" / "verification.py").read_text()
     assert (custom / "verification.py").read_text() == verification
     for module in custom.glob("*.py"):
         assert "from .." not in module.read_text()  # flattened: transformers loads remote code as one folder

@@ -16,16 +16,16 @@ from transformers import BartConfig, BartForConditionalGeneration, GenerationCon
 from transformers.generation.utils import GenerationMixin
 
 import hf_dspark
-from hf_dspark.generation import integration
-from hf_dspark.generation.custom_generate import custom_generate_for
-from hf_dspark.generation.integration import (
+from hf_dspark.generation.call import integration
+from hf_dspark.generation.call.custom_generate import custom_generate_for
+from hf_dspark.generation.call.integration import (
     SUPPORTED_TRANSFORMERS,
     TransformersCompatibilityError,
     hook_signature_problems,
     install_generate_hooks,
     loop_support_problems,
 )
-from hf_dspark.generation.settings import SETTING_NAMES
+from hf_dspark.generation.call.settings import SETTING_NAMES
 from hf_dspark.models import UserInputError
 from conftest import prompts, tiny_drafter, tiny_target
 from test_batched import left_pad
@@ -155,6 +155,7 @@ def routes(target, ids, seed: int = 1, **kwargs):
     results = []
     for route in ("assistant_model", "custom_generate"):
         drafter = tiny_drafter(target, "markov", block_size=4, seed=seed)
+        drafter.generation_config.dspark_learn_round_costs = False  # rounds planned alike, whatever the timings
         torch.manual_seed(7)
         if route == "assistant_model":
             out = target.generate(ids, assistant_model=drafter, max_new_tokens=MAX_NEW, **kwargs)

@@ -55,7 +55,7 @@ def _records(folder) -> dict[int, dict]:
 
 def test_ctrl_c_in_regenerate_says_how_many_conversations_are_saved_and_the_rerun_resumes(saved_pair, tmp_path,
                                                                                           capsys, monkeypatch):
-    from hf_dspark.generation.batched import SpeculativeEngine
+    from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 
     output = tmp_path / "regen"
     argv = _regenerate_argv(saved_pair, tmp_path, output)
@@ -82,7 +82,7 @@ def test_ctrl_c_in_regenerate_says_how_many_conversations_are_saved_and_the_reru
 REGENERATE_DRIVER = """
 from pathlib import Path
 from hf_dspark.cli.main import main
-from hf_dspark.generation.batched import SpeculativeEngine
+from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.training.regenerate import completed_ids
 from test_training_e2e import announce_and_wait_for_sigint
 

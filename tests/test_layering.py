@@ -220,7 +220,7 @@ def test_the_core_imports_no_optional_dependency(optional):
         import sys
         sys.modules[{optional!r}] = None  # `import {optional}` now raises ImportError
         import hf_dspark, hf_dspark.cli.main, hf_dspark.hub.convert, hf_dspark.hub.push, hf_dspark.evaluation.harness
-        import hf_dspark.evaluation.report, hf_dspark.generation.batched, hf_dspark.scheduling.simulation
+        import hf_dspark.evaluation.report, hf_dspark.generation.engine.speculative_engine, hf_dspark.scheduling.simulation
         hf_dspark.cli.main.build_parser()
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

@@ -8,16 +8,21 @@ import pytest
 import torch
 
 from conftest import prompts, tiny_drafter, tiny_target
-from hf_dspark.generation import batched, candidates, decoding, drafting, engine_planning, engine_requests
-from hf_dspark.generation import engine_rounds, stopping, suffix
-from hf_dspark.generation.batched import SpeculativeEngine
+from hf_dspark.generation.engine import passes as engine_rounds
+from hf_dspark.generation.engine import planning as engine_planning
+from hf_dspark.generation.engine import requests as engine_requests
+from hf_dspark.generation.engine import speculative_engine as batched
+from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
+from hf_dspark.generation.one_prompt import loop as decoding
+from hf_dspark.generation.one_prompt import proposers as candidates
+from hf_dspark.generation.round import drafting, stopping, suffix, verification
 from hf_dspark.scheduling.draft_length import DraftLengthRule
 
 # Each step: (the module that defines it, its name), and the modules of both loops that call it by that name.
 SHARED_STEPS = {
     "draft_input_block": (drafting, [candidates, batched]),
     "draft_block": (drafting, [candidates, batched]),
-    "verify_drafts": (drafting, [decoding, engine_rounds]),
+    "verify_drafts": (verification, [decoding, engine_rounds, batched]),
     "round_tokens": (drafting, [decoding, engine_rounds]),
     "emitted_drafts": (drafting, [decoding, batched]),
 }
@@ -51,6 +56,7 @@ def _count_calls(monkeypatch, counts: dict, label: list[str]) -> None:
 def test_batch_one_and_the_engine_run_the_same_steps(monkeypatch, kind):
     target = tiny_target("llama")
     drafter = tiny_drafter(target, kind, block_size=4, suffix_drafting=True)
+    drafter.generation_config.dspark_learn_round_costs = False  # flat prices: both loops draft every round
     counts, label = defaultdict(int), ["batch 1"]
     _count_calls(monkeypatch, counts, label)
     prompt = torch.cat([prompts(1, length=5)[0]] * 2, dim=1)  # repeats itself: suffix proposals

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from hf_dspark.generation.verification import rejection_sample
+from hf_dspark.generation.round.verification import rejection_sample
 from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
 from test_sampling_lossless import chi_square, critical_value
 
@@ -85,7 +85,7 @@ def test_calibration_metrics_match_hand_values():
 
 
 def test_sequential_temperature_scaling_recovers_overconfidence():
-    from hf_dspark.generation.stats import SpeculativeStats
+    from hf_dspark.generation.round.stats import SpeculativeStats
     from hf_dspark.scheduling import expected_calibration_error, fit_sequential_temperatures
     from hf_dspark.scheduling.calibration import survival_pairs
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_dspark.generation.suffix import SuffixIndex
+from hf_dspark.generation.round.suffix import SuffixIndex
 from hf_dspark.scheduling import VerificationCostTable
 from hf_dspark import DraftingState
 from hf_dspark.scheduling.round_planner import ProposalStatistics, RoundPlanner, SuffixAcceptance
@@ -175,7 +175,7 @@ def test_a_drafter_slower_than_its_table_says_is_skipped_and_output_stays_exact(
     """A table that underprices drafting (profiled elsewhere) would draft every round; timed in the loop, the
     drafter's real cost (here 40 ms a pass on the loop's clock, beside 1 ms target forwards) turns most rounds into
     plain steps or suffix proposals, and greedy output is unchanged either way."""
-    from hf_dspark.generation import stats as stats_module
+    from hf_dspark.generation.round import stats as stats_module
 
     clock = SimulatedClock()
     monkeypatch.setattr(stats_module, "time", clock)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..generation.stats import SpeculativeStats
+from ..generation.round.stats import SpeculativeStats
 from ..scheduling.round_planner import DraftingState
 from .prompts import EvalPrompt, chat_input_ids, load_prompt_sets
 from .speed import PLAIN

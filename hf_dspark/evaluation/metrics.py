@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..generation.stats import SpeculativeStats
+from ..generation.round.stats import SpeculativeStats
 from ..scheduling.calibration import auroc, expected_calibration_error
 
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..generation.stats import SpeculativeStats
+from ..generation.round.stats import SpeculativeStats
 from .metrics import acceptance_summary
 from .quality import EXTRACTORS, answer_format, reference_answer, run_tests
 from .speed import PLAIN

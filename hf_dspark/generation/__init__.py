@@ -1,12 +1,21 @@
-from .batched import BatchedOutput, SpeculativeEngine
-from .generate_batch import batched_speculative_generate
-from .candidates import DraftCandidateGenerator, DSparkCandidateGenerator, Eagle3CandidateGenerator
-from .decoding import speculative_decoding
-from .outputs import SpeculativeDecoderOnlyOutput
-from .plan import DraftingPlan
-from .settings import DraftingSettings
-from .stats import SpeculativeStats
-from .verification import greedy_verify, rejection_sample
+"""Speculative decoding with hf_dspark drafters, grouped by concern:
+
+* `call/`: a `generate()` call: the hooks that route it (`integration`, `custom_generate`), its checks, its settings
+  and one `DraftingPlan`, `dispatch` (one prompt to the batch-1 loop, several to the engine), outputs;
+* `round/`: the steps both loops share: drafting, verification, sampling, suffix matches, stopping, statistics;
+* `one_prompt/`: the batch-1 loop, its proposers and target runners;
+* `engine/`: the batched engine (`SpeculativeEngine`): rows with holes, its passes, requests, planning, masks.
+"""
+
+from .engine.speculative_engine import BatchedOutput, SpeculativeEngine
+from .call.batch import batched_speculative_generate
+from .one_prompt.proposers import DraftCandidateGenerator, DSparkCandidateGenerator, Eagle3CandidateGenerator
+from .call.dispatch import speculative_decoding
+from .call.outputs import SpeculativeDecoderOnlyOutput
+from .call.plan import DraftingPlan
+from .call.settings import DraftingSettings
+from .round.stats import SpeculativeStats
+from .round.verification import greedy_verify, rejection_sample
 
 __all__ = [
     "BatchedOutput",

@@ -120,7 +120,7 @@ def growing_cache(config) -> DynamicCache | None:
     """A `DynamicCache` for `config` made of `GrowingLayer`s, or None when some layer keeps no per-token entries
     (recurrent or convolution states, layers sharing another's cache). A sliding-window layer becomes a full-length
     layer too: its window counts cache slots, holes included, so the engine applies it in its own mask instead
-    (`engine_masks`), by position."""
+    (`engine.masks`), by position."""
     cache = DynamicCache(config=config)
     if any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
         return None

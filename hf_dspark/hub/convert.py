@@ -17,6 +17,9 @@ sides; the heads are renamed:
     d2t / t2d (vLLM draft vocab)      draft_to_target
 
 Eagle3 keys (`fc`, `layers.0.*` with q/k norms, `norm`) are the same on both sides; `ttt_length` is our `block_size`.
+Drafters with Gemma 4 layers (`layer_style="gemma4"`, made for Gemma 4 targets) are written as DeepSpec's
+`Gemma4DSparkModel` / `Gemma4Eagle3Model` (the target's Gemma4TextConfig fields as transformers 5.10 writes them,
+`models/formats/deepspec_gemma4.py`); DeepSpec's own classes load those exports with nothing missing or left over.
 The forward math was compared term by term with DeepSpec's modeling code (same weights give the same logits);
 the tests check the mapping and that an export/import round trip keeps every logit.
 
@@ -53,8 +56,9 @@ from ..models.identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, drafter_t
 from ..models.target_info import EMBEDDING_OUTPUT, target_text_config
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
-from ..models.formats import deepspec
+from ..models.formats import deepspec, deepspec_gemma4
 from ..models.formats.deepspec import DSPARK_ARCHITECTURE, EAGLE3_ARCHITECTURE, HEAD_NAMES, MARKOV_TYPES, W1, W2
+from ..models.formats.deepspec_config import GEMMA4_DSPARK_ARCHITECTURE, GEMMA4_EAGLE3_ARCHITECTURE
 
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 
@@ -65,6 +69,8 @@ DEEPSPEC_REQUIRED_FIELDS = {
     EAGLE3_ARCHITECTURE: ("target_layer_ids", "ttt_length", "step_loss_decay"),
 }
 DEEPSPEC_DEFAULTS = {DSPARK_ARCHITECTURE: {"num_anchors": 512}, EAGLE3_ARCHITECTURE: {"step_loss_decay": 0.8}}
+DEEPSPEC_DEFAULTS.update({GEMMA4_DSPARK_ARCHITECTURE: DEEPSPEC_DEFAULTS[DSPARK_ARCHITECTURE],
+                          GEMMA4_EAGLE3_ARCHITECTURE: DEEPSPEC_DEFAULTS[EAGLE3_ARCHITECTURE]})
 """Written when the drafter was not imported from DeepSpec (DeepSpec's training defaults; its loader only needs
 them to be present)."""
 # Fields of a DeepSpec config.json that the export writes itself (or that are HF bookkeeping); everything else that
@@ -195,7 +201,7 @@ def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | 
     if kind not in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
         raise ValueError(f"DeepSpec's layouts hold DSpark/DFlash and Eagle3 drafters, not {type(drafter).__name__}")
     config = drafter.config
-    architecture = DSPARK_ARCHITECTURE if kind == BLOCK_DRAFTER_TYPE else EAGLE3_ARCHITECTURE
+    architecture = deepspec_architecture(config)
     if not config.qk_norm:
         raise ValueError(
             f"DeepSpec/vLLM's {architecture} has Qwen3 layers with per-head q/k RMSNorm, and this drafter "
@@ -206,13 +212,7 @@ def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | 
         raise ValueError("DeepSpec's Eagle3 feeds every layer [embedding ; hidden]; only 1-layer drafters export")
     if getattr(config, "confidence_temperatures", None) is not None:
         raise ValueError("DeepSpec's layout has no per-slot confidence temperatures; they would be lost")
-    options = getattr(config, "drafting_options", {})
-    if options:
-        raise UserInputError(
-            f"DeepSpec's layout cannot express {options}: its Qwen3DSparkModel (and vLLM, SGLang and llama.cpp reading "
-            "it) drafts with uncapped logits, the target's embedding module and full, bidirectional attention in every "
-            "layer, so this drafter would draft differently there. Keep it in hf_dspark's layout (save_pretrained) "
-            "and load it with hf_dspark.AutoDrafter.from_pretrained(path).")
+    _check_drafting_options(config)
     for warning in export_warnings(config):
         logger.warning("%s export: %s", type(drafter).__name__, warning)
     draft_ids = drafter.draft_to_target
@@ -266,6 +266,36 @@ def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | 
     return folder
 
 
+def _check_drafting_options(config) -> None:
+    """Refuse drafting options DeepSpec's classes do not have (soft-capped logits only in its Gemma 4 ones)."""
+    options = dict(getattr(config, "drafting_options", {}))
+    if _gemma4(config):  # Gemma4DSparkModel soft-caps its logits with the config's final_logit_softcapping
+        options.pop("final_logit_softcapping", None)
+    elif getattr(config, "final_logit_softcapping", None) is not None:
+        options["final_logit_softcapping"] = config.final_logit_softcapping
+    if options:
+        raise UserInputError(
+            f"DeepSpec's layout cannot express {options}: its Qwen3DSparkModel (and vLLM, SGLang and llama.cpp reading "
+            "it) drafts with uncapped logits, the target's embedding module and full, bidirectional attention in every "
+            "layer, so this drafter would draft differently there. Keep it in hf_dspark's layout (save_pretrained) "
+            "and load it with hf_dspark.AutoDrafter.from_pretrained(path).")
+
+
+def _gemma4(config) -> bool:
+    return getattr(config, "layer_style", "llama") == "gemma4"
+
+
+def deepspec_architecture(config) -> str:
+    """DeepSpec's class for a drafter config: Qwen3 layers, or Gemma 4 ones (`layer_style="gemma4"`)."""
+    eagle3 = config.model_type == EAGLE3_DRAFTER_TYPE
+    if _gemma4(config):
+        return GEMMA4_EAGLE3_ARCHITECTURE if eagle3 else GEMMA4_DSPARK_ARCHITECTURE
+    if getattr(config, "attention_k_eq_v", False):
+        raise UserInputError("DeepSpec's Qwen3 layers have a v_proj, and this drafter (attention_k_eq_v, without "
+                             "Gemma 4 layers) has none; keep it in hf_dspark's layout (save_pretrained).")
+    return EAGLE3_ARCHITECTURE if eagle3 else DSPARK_ARCHITECTURE
+
+
 def export_warnings(config) -> list[str]:
     """What the engines that read DeepSpec's layout cannot serve from this drafter's export (each engine's loader
     was read: vLLM 0.33 `qwen3_dspark.py`, SGLang 0.5.23 `models/dspark.py` and `dflash_utils.py`, llama.cpp
@@ -292,11 +322,15 @@ def export_warnings(config) -> list[str]:
     if EMBEDDING_OUTPUT in config.target_layer_ids:
         warnings.append("target_layer_ids contains -1 (the embedding output): DeepSpec, vLLM and llama.cpp read it, "
                         "SGLang refuses negative target layer ids")
+    if _gemma4(config) and config.model_type == BLOCK_DRAFTER_TYPE:
+        warnings.append("llama.cpp's converter reads DeepSpec's Qwen3DSparkModel only: it has no Gemma4DSparkModel "
+                        "(Gemma 4 DSpark is an open request there, llama.cpp#25549)")
     return warnings
 
 
 def deepspec_config(drafter: DSparkDraftModel | Eagle3DraftModel, target=None) -> dict:
     config = drafter.config
+    architecture = deepspec_architecture(config)
     base = target.config.get_text_config().to_dict() if target is not None else {
         "model_type": config.target_model_type or "qwen3", "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
@@ -305,8 +339,11 @@ def deepspec_config(drafter: DSparkDraftModel | Eagle3DraftModel, target=None) -
         "max_position_embeddings": config.max_position_embeddings, "rope_parameters": config.rope_parameters,
         "attention_bias": config.attention_bias}
     for key in ("auto_map", "_name_or_path", "transformers_version", "dtype", "torch_dtype", "layer_types",
-                "sliding_window", "max_window_layers", "use_sliding_window"):
+                "sliding_window", "max_window_layers", "use_sliding_window", "per_layer_config"):
         base.pop(key, None)
+    if _gemma4(config):  # Gemma4TextConfig's fields as transformers 5.10 (DeepSpec's pin) writes them
+        base.pop("hidden_act", None)  # Gemma's name is hidden_activation
+        base.update(deepspec_gemma4.export_fields(config, target.config.get_text_config() if target else None))
     common = {
         "num_target_layers": config.target_num_hidden_layers,
         "num_hidden_layers": config.num_hidden_layers,
@@ -316,22 +353,24 @@ def deepspec_config(drafter: DSparkDraftModel | Eagle3DraftModel, target=None) -
     }
     if config.draft_vocab_size:
         common["draft_vocab_size"] = config.draft_vocab_size
-    # transformers 5 writes rope_parameters only; DeepSpec's code and engines on transformers 4 read these.
+    # transformers 5 writes rope_parameters only; DeepSpec's Qwen3 code and engines on transformers 4 read these.
     rope = dict(config.rope_parameters)
-    common["rope_theta"] = rope.get("rope_theta", 10000.0)
-    common["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else {**rope, "type": rope["rope_type"]}
+    if not _gemma4(config):  # Gemma 4's rotary parameters are per layer type (rope_parameters) only
+        common["rope_theta"] = rope.get("rope_theta", 10000.0)
+        common["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else \
+            {**rope, "type": rope["rope_type"]}
     common["attention_bias"] = config.attention_bias
     common["torch_dtype"] = str(next(drafter.parameters()).dtype).replace("torch.", "")
     if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
-        fields = {"architectures": [EAGLE3_ARCHITECTURE], "ttt_length": config.block_size,
+        fields = {"architectures": [architecture], "ttt_length": config.block_size,
                   "draft_num_hidden_layers": config.num_hidden_layers,
                   # vLLM's eagle3 reads the capture indices (HF hidden_states indices: layer id + 1).
                   "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids]}
-        return _with_deepspec_fields({**base, **common, **fields}, config, EAGLE3_ARCHITECTURE)
+        return _with_deepspec_fields({**base, **common, **fields}, config, architecture)
     rank = config.markov_rank if config.markov_head is not None else 1  # DFlash: the rank-1 zero head
     head_type = config.markov_head if config.markov_head is not None else "markov"
     fields = {
-        "architectures": [DSPARK_ARCHITECTURE],
+        "architectures": [architecture],
         "block_size": config.block_size,
         "mask_token_id": config.mask_token_id,
         "enable_confidence_head": bool(config.confidence_head),
@@ -344,7 +383,7 @@ def deepspec_config(drafter: DSparkDraftModel | Eagle3DraftModel, target=None) -
     }
     if config.confidence_head:
         fields["confidence_head_with_markov"] = True  # [h_k ; W1[x_{k-1}]], as ours (the zero head's W1 for DFlash)
-    return _with_deepspec_fields({**base, **common, **fields}, config, DSPARK_ARCHITECTURE)
+    return _with_deepspec_fields({**base, **common, **fields}, config, architecture)
 
 
 def _with_deepspec_fields(exported: dict, config, architecture: str) -> dict:

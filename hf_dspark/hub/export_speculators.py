@@ -27,11 +27,13 @@ def export_speculators(drafter, folder: str | Path, target=None) -> Path:
         kind = "eagle3"
     elif isinstance(drafter, DSparkDraftModel):
         kind = "dflash" if drafter.config.is_dflash else "dspark"
-        _check_block_exportable(drafter.config)
     else:
         raise UserInputError(f"export to speculators takes a DSparkDraftModel or Eagle3DraftModel, got "
                              f"{type(drafter).__name__}.")
     config = drafter.config
+    _check_layers_exportable(config, kind)
+    if kind != "eagle3":
+        _check_block_exportable(config)
     ids = list(config.target_layer_ids)
     if len(set(ids)) != len(ids):
         raise UserInputError(f"target_layer_ids {ids} repeat a layer, which speculators refuses.")
@@ -55,6 +57,22 @@ def export_speculators(drafter, folder: str | Path, target=None) -> Path:
                 "tie_word_embeddings": False, "speculators_config": _proposal(config, kind, target)}
     (folder / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return folder
+
+
+def _check_layers_exportable(config, kind: str) -> None:
+    """speculators 0.9.0 builds every drafter layer from transformers' LlamaDecoderLayer / Qwen3DecoderLayer
+    (`models/base_components.py`; DFlash / DSpark: `Qwen3DFlashDecoderLayer`) and never soft-caps logits."""
+    gemma4 = getattr(config, "layer_style", "llama") == "gemma4"
+    if gemma4 or getattr(config, "attention_k_eq_v", False) or \
+            (kind == "eagle3" and config.final_logit_softcapping is not None):
+        raise UserInputError(
+            f"this {kind} drafter cannot be written exactly in speculators' layout: speculators 0.9.0 builds its "
+            "layers from transformers' Llama / Qwen3 decoder layers and has no field for what this drafter's do "
+            f"(layer_style={config.layer_style!r}, attention_k_eq_v={config.attention_k_eq_v}, "
+            f"final_logit_softcapping={getattr(config, 'final_logit_softcapping', None)}): Gemma 4's sandwich norms "
+            "and layer_scalar, an RMSNorm on the values, softmax scale 1, no v_proj, soft-capped logits. Export it "
+            "to DeepSpec's layout (hf-dspark convert --to deepspec: Gemma4DSparkModel / Gemma4Eagle3Model) or keep "
+            "it in hf_dspark's (save_pretrained).")
 
 
 def _check_block_exportable(config: DSparkDraftConfig) -> None:

@@ -68,6 +68,12 @@ def describe_serving(config) -> str:
                 "`hf-dspark convert` refuses to export it rather than change its outputs (a drafter built with "
                 "`qk_norm=True` exports). Serve it with transformers (batched: "
                 "`hf_dspark.generation.SpeculativeEngine`).")
+    if served_by_vllm(config) and getattr(config, "layer_style", "llama") == "gemma4":
+        return ("Serving at scale: `hf-dspark convert <this folder> <out> --target <target>` writes DeepSpec's Gemma 4 "
+                "layout (`Gemma4DSparkModel`), which vLLM loads with `--speculative-config '{\"method\": \"dspark\", "
+                f"\"model\": \"<out>\", \"num_speculative_tokens\": {config.block_size}}}'`; llama.cpp's converter "
+                "has no Gemma 4 DSpark (an open request, llama.cpp#25549) and speculators' layout has no Gemma 4 "
+                "layers. With transformers: batched, `hf_dspark.generation.SpeculativeEngine`.")
     if served_by_vllm(config):
         # SGLang's markov_w2 is full-vocabulary: it cannot load a draft vocabulary (see export_warnings).
         sglang = ("SGLang cannot load its draft vocabulary, " if config.draft_vocab_size else

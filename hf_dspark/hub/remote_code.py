@@ -9,7 +9,7 @@ own verification loop.
 The folder holds verbatim copies of the hf_dspark modules that the decoding loop imports, with package-relative
 imports (`from ..models.errors import X`) flattened to sibling imports (`from .errors import X`), because
 `transformers` loads remote code as one flat folder. Copying instead of rewriting by hand keeps a single source
-for the lossless rule (`generation/verification.py`); a test runs the folder in a process where hf_dspark cannot
+for the lossless rule (`generation/round/verification.py`); a test runs the folder in a process where hf_dspark cannot
 be imported. A copied drafter class saves and pushes through hf_dspark's hooks when hf_dspark is loaded beside it:
 its copy of `models/hub_hooks.py` looks up `hf_dspark.models.hub_hooks` in `sys.modules`.
 """
@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-ENTRY_MODULE = PACKAGE_ROOT / "generation" / "decoding.py"
+ENTRY_MODULE = PACKAGE_ROOT / "generation" / "call" / "dispatch.py"
 _RELATIVE_IMPORT = re.compile(r"^(\s*from\s+)(\.+)([\w.]*)(\s+import\b)", flags=re.MULTILINE)
 
 GENERATE_PY = '''"""DSpark / DFlash / Eagle3 speculative decoding for stock `transformers` (no hf_dspark install needed).
@@ -34,7 +34,7 @@ The files beside this one are copies of hf_dspark {version}'s decoding loop; the
 
 import functools
 
-from .decoding import speculative_decoding
+from .dispatch import speculative_decoding
 from .settings import SETTING_NAMES, call_settings
 
 

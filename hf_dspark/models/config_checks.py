@@ -31,6 +31,8 @@ per-layer lists from these counts before any weight is read, so an absurd one wo
 
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_STYLES = ("llama", "gemma4")
+"""A drafter layer's norms and attention details (`DraftPreTrainedConfig.layer_style`)."""
 CONFIDENCE_THRESHOLD_RULES = ("cumulative", "per_slot")
 """How a static `assistant_confidence_threshold` t stops drafting: `"cumulative"` at the first slot j whose survival
 c_1 ... c_j < t (hf_dspark), `"per_slot"` at the first slot whose own c_j < t (DeepSpec's --confidence-threshold)."""
@@ -193,6 +195,8 @@ FIELD_RULES: dict[str, tuple[Rule, str]] = {
     "rope_parameters": (_rope, FROM_TARGET), "rope_scaling": (lambda v: _rope(v, legacy=True), FROM_TARGET),
     "rope_theta": (number(0.0, optional=True), FROM_TARGET), "attention_bias": (flag(), BOOLEAN),
     "qk_norm": (flag(), BOOLEAN), "tie_word_embeddings": (flag(optional=True), BOOLEAN),
+    "layer_style": (choice(LAYER_STYLES), "write the layer style the drafter was trained with"),
+    "attention_k_eq_v": (flag(), BOOLEAN),
     "sample_from_anchor": (flag(), BOOLEAN), "confidence_head": (flag(), BOOLEAN),
     "suffix_drafting": (flag(), BOOLEAN), "markov_w1_full_vocab": (flag(), BOOLEAN),
     "block_size": (integer(1, MAX_BLOCK_SIZE), BLOCK),
@@ -334,6 +338,7 @@ def config_source(kwargs: Mapping[str, Any], fallback: str) -> str:
 
 
 __all__ = ["ATTENTION_LAYER_TYPES", "BLOCK", "BOOLEAN", "CONFIDENCE_THRESHOLD_RULES", "FIELD_RULES", "FROM_TARGET",
-           "FROM_WEIGHTS", "MAX_BLOCK_SIZE", "MAX_DRAFT_LAYERS", "MAX_TARGET_LAYERS", "SEQUENTIAL_HEADS",
+           "FROM_WEIGHTS", "LAYER_STYLES", "MAX_BLOCK_SIZE", "MAX_DRAFT_LAYERS", "MAX_TARGET_LAYERS",
+           "SEQUENTIAL_HEADS",
            "built_naming", "check_config_fields", "check_consistency", "choice", "config_source", "flag", "integer",
            "is_finite_number", "list_of", "number", "refusal"]

@@ -28,6 +28,11 @@ class DraftPreTrainedConfig(PreTrainedConfig):
         attention_bias (`bool`): Biases on the attention projections.
         qk_norm (`bool`): RMSNorm on queries and keys per head (Qwen3 style); `from_target_config` turns it on
             for targets whose attention has it.
+        layer_style (`str`): `"llama"`: pre-norm layers (Llama, Qwen3). `"gemma4"`: Gemma 4's layers, as DeepSpec's
+            Gemma 4 drafters build them: sandwich norms (`post_attention_layernorm` on the attention output,
+            `pre_feedforward_layernorm` / `post_feedforward_layernorm` around the MLP), a per-layer `layer_scalar`,
+            an RMSNorm without scale on the values and softmax scale 1. `from_target_config` picks it from the target.
+        attention_k_eq_v (`bool`): No value projection: the values are the keys' projection (Gemma 4's field).
         block_size (`int`): Tokens drafted per round (see each family for the exact count).
         target_layer_ids (`list[int]`): Target decoder layers whose outputs the drafter reads (HF
             `hidden_states[i + 1]`; -1 is the embedding output, `hidden_states[0]`, as in DeepSpec).
@@ -37,7 +42,7 @@ class DraftPreTrainedConfig(PreTrainedConfig):
             the training answers; ids in the `draft_to_target` buffer). Drafting and the draft LM head get
             cheaper; verification stays exact over the full vocabulary. `None` drafts over all tokens.
         suffix_drafting (`bool`): Let generation at batch 1 also propose suffix matches over the prompt and the
-            text so far (`hf_dspark.generation.suffix`) and verify, each round, whichever of the drafter's block, the
+            text so far (`hf_dspark.generation.round.suffix`) and verify, each round, whichever of the drafter's block, the
             suffix proposal or no draft promises the most tokens per second. Lossless either way; seeds the
             drafter's `generation_config.dspark_suffix_drafting`, which a `generate()` call may override.
         deepspec_fields (`dict`, *optional*): Fields of an imported DeepSpec config.json that hf_dspark does not
@@ -65,6 +70,8 @@ class DraftPreTrainedConfig(PreTrainedConfig):
     rope_parameters: dict | None = None
     attention_bias: bool = False
     qk_norm: bool = False
+    layer_style: str = "llama"
+    attention_k_eq_v: bool = False
     block_size: int = 7
     target_layer_ids: list[int] | None = None
     target_num_hidden_layers: int | None = None

@@ -37,11 +37,14 @@ class Eagle3DraftConfig(DraftPreTrainedConfig):
         target_layer_ids (`list[int]`): Target decoder layers whose outputs are fused into g_t (low, mid, high;
             by default the outputs of layers 1, L//2-1 and L-4).
         deepspec_fields (`dict`, *optional*): e.g. DeepSpec's `step_loss_decay`.
+        final_logit_softcapping (`float`, *optional*): Soft-cap the drafter's logits to `cap * tanh(logits / cap)`
+            (a Gemma 4 target's own cap, which DeepSpec's `Gemma4Eagle3Model` applies); `None`: uncapped.
     """
 
     model_type = EAGLE3_DRAFTER_TYPE
     config_kind = "eagle3"  # its fields are checked by `config_checks` (`DraftPreTrainedConfig.check_fields`)
-    # Every field is `DraftPreTrainedConfig`'s, with its defaults (one decoder layer, no q/k norm).
+    # Every field but one is `DraftPreTrainedConfig`'s, with its defaults (one decoder layer, no q/k norm).
+    final_logit_softcapping: float | None = None
 
     def _default_layer_ids(self) -> list[int]:
         return default_eagle3_layer_ids(self.target_num_hidden_layers or 32)

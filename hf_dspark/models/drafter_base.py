@@ -15,7 +15,7 @@ from transformers.utils import logging
 from .drafting_config import drafting_generation_config, load_drafting_config, save_drafting_config
 from .errors import DrafterLoadError
 from .hub_hooks import _hub_hooks
-from .layers import DraftRMSNorm, DraftRotaryEmbedding
+from .layers import DraftDecoderLayer, DraftRMSNorm, DraftRotaryEmbedding
 from .saved_config import check_saved_config, load_other_layout
 from .target_binding import TargetBindingMixin
 from .weight_files import (HUB_OPTIONS, check_fits_before_building, check_floating_weights, checked_weight_files,
@@ -48,7 +48,7 @@ class DraftPreTrainedModel(TargetBindingMixin, PreTrainedModel):
         self._precision_stash = None  # TargetBindingMixin's: the weights a dtype-following cast replaced
         self.generation_config = drafting_generation_config(config)
         """The drafter's drafting defaults (`num_assistant_tokens`, `assistant_confidence_threshold`, `dspark_*`;
-        `hf_dspark.generation.settings`), saved beside its config and overridable per `generate()` call."""
+        `hf_dspark.generation.call.settings`), saved beside its config and overridable per `generate()` call."""
         self.last_generation_stats = None
         """Convenience: the `SpeculativeStats` of the latest `generate()` call with this drafter (a batch: every
         request's rounds merged). The output of `generate(..., return_dict_in_generate=True)` carries them too."""
@@ -94,7 +94,10 @@ class DraftPreTrainedModel(TargetBindingMixin, PreTrainedModel):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, DraftRMSNorm):
-            nn.init.ones_(module.weight)
+            if module.weight is not None:  # Gemma 4's value norm has no scale
+                nn.init.ones_(module.weight)
+        elif isinstance(module, DraftDecoderLayer) and module.sandwich:
+            nn.init.ones_(module.layer_scalar)
         elif isinstance(module, DraftRotaryEmbedding):
             # Non-persistent buffer: from_pretrained leaves it uninitialised unless it is recomputed here.
             with torch.no_grad():

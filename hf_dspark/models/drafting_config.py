@@ -4,7 +4,7 @@ transformers keeps an assistant's decoding defaults in the assistant's `generati
 `assistant_confidence_threshold`, ...); a drafter does the same, with `dspark_`-prefixed fields for what transformers
 has no name for. They are saved with the drafter (`generation_config.json` beside `config.json`), loaded back by
 `from_pretrained`, and any of them may be overridden per `generate()` call by a keyword argument of the same name.
-Their meaning and checks live with the decoding loop (`hf_dspark.generation.settings`); this module holds the
+Their meaning and checks live with the decoding loop (`hf_dspark.generation.call.settings`); this module holds the
 defaults, so that a drafter, built or loaded, always has every field, and checks the one field that can name a file.
 
 A drafter folder is data from the Hub: its `dspark_cost_table` is the table's fields inline (as `save_pretrained` writes

@@ -13,9 +13,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
 class DraftRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    """RMSNorm with a learned scale, or without one (`with_scale=False`: Gemma 4's norm of the values)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, with_scale: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if with_scale else None
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -23,6 +25,8 @@ class DraftRMSNorm(nn.Module):
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight is None:
+            return hidden_states.to(input_dtype)
         return self.weight * hidden_states.to(input_dtype)
 
 
@@ -107,7 +111,12 @@ class DraftContextCache:
 class DraftAttention(nn.Module):
     """The projections of every drafter's attention: grouped-KV q/k/v from `input_size` features, o back to the
     hidden size (with biases when `config.attention_bias`), and per-head q/k RMSNorms when `config.qk_norm`. Each
-    family's attention adds its `forward` (what the queries and keys are)."""
+    family's attention adds its `forward` (what the queries and keys are).
+
+    Gemma 4 layers (`config.layer_style == "gemma4"`, DeepSpec's `Gemma4DSparkAttention` / `Gemma4Eagle3Attention`)
+    differ in three ways: the values get an RMSNorm without a scale, the softmax scale is 1 (the per-head q/k norms
+    set the logits' size), and with `config.attention_k_eq_v` there is no v_proj: the values are the keys'
+    projection before the key norm."""
 
     def __init__(self, config: PreTrainedConfig, layer_idx: int, input_size: int):
         super().__init__()
@@ -115,14 +124,55 @@ class DraftAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scaling = attention_scaling(self.head_dim)
+        gemma4 = getattr(config, "layer_style", "llama") == "gemma4"
+        self.scaling = 1.0 if gemma4 else attention_scaling(self.head_dim)
         bias = config.attention_bias
         self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = None if getattr(config, "attention_k_eq_v", False) else \
+            nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = DraftRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
         self.k_norm = DraftRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
+        self.v_norm = DraftRMSNorm(self.head_dim, config.rms_norm_eps, with_scale=False) if gemma4 else nn.Identity()
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, before the rotary embedding) and values of rows `x`, each (batch, kv_heads, rows, head_dim)."""
+        batch, length, _ = x.shape
+        keys = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        values = keys if self.v_proj is None else self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        return self.k_norm(keys).transpose(1, 2), self.v_norm(values).transpose(1, 2)
+
+
+class DraftDecoderLayer(nn.Module):
+    """The norms and MLP around a drafter layer's attention (each family's layer adds its attention and `forward`).
+
+    `config.layer_style` "llama" (Llama, Qwen3): pre-norm, `h + attn`, then `h + mlp(post_attention_layernorm(h))`.
+    "gemma4" (Gemma 4's decoder layer, as DeepSpec's Gemma 4 drafters build it): sandwich norms,
+    `h + post_attention_layernorm(attn)`, then `h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))`,
+    the result times the layer's `layer_scalar` (a stored buffer of one value)."""
+
+    def __init__(self, config: PreTrainedConfig, attention: DraftAttention):
+        super().__init__()
+        width, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = attention  # before the MLP: seeded initialisations draw the attention's weights first
+        self.mlp = DraftMLP(config)
+        self.input_layernorm = DraftRMSNorm(width, eps)
+        self.post_attention_layernorm = DraftRMSNorm(width, eps)
+        self.sandwich = getattr(config, "layer_style", "llama") == "gemma4"
+        if self.sandwich:
+            self.pre_feedforward_layernorm = DraftRMSNorm(width, eps)
+            self.post_feedforward_layernorm = DraftRMSNorm(width, eps)
+            self.layer_scalar = nn.Buffer(torch.ones(1))
+
+    def add_attention_and_mlp(self, residual: torch.Tensor, attention_output: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input (`residual`) and its attention's output."""
+        if not self.sandwich:
+            hidden_states = residual + attention_output
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = residual + self.post_attention_layernorm(attention_output)
+        mlp_output = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        return (hidden_states + self.post_feedforward_layernorm(mlp_output)) * self.layer_scalar
 
 
 def attend(
@@ -143,5 +193,5 @@ def attention_scaling(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-__all__ = ["DraftAttention", "DraftContextCache", "DraftMLP", "DraftRMSNorm", "DraftRotaryEmbedding", "apply_rotary", "attend",
-           "attention_scaling"]
+__all__ = ["DraftAttention", "DraftContextCache", "DraftDecoderLayer", "DraftMLP", "DraftRMSNorm", "DraftRotaryEmbedding",
+           "apply_rotary", "attend", "attention_scaling"]

@@ -1,5 +1,8 @@
 """DSpark drafter: a parallel block backbone on fused target features, a sequential head against suffix decay,
-and a confidence head. Without the two heads it is DFlash. One file serves every target family."""
+and a confidence head. Without the two heads it is DFlash. One file serves every target family: Gemma 4's layers
+(DeepSpec's `Gemma4DSparkModel`) are `config.layer_style == "gemma4"` of the same classes (`layers.DraftDecoderLayer`,
+`layers.DraftAttention`), its per-layer head size is the config's `head_dim` (Gemma 4's global_head_dim), and its
+scaled embedding and soft-capped logits are the target's embedding module and `config.final_logit_softcapping`."""
 
 
 from dataclasses import dataclass
@@ -10,8 +13,8 @@ from transformers.utils import ModelOutput
 
 from .configuration_dspark import DSparkDraftConfig
 from .drafter_base import DraftPreTrainedModel
-from .layers import (DraftAttention, DraftContextCache, DraftMLP, DraftRMSNorm, DraftRotaryEmbedding, apply_rotary,
-                     attend)
+from .layers import (DraftAttention, DraftContextCache, DraftDecoderLayer, DraftRMSNorm, DraftRotaryEmbedding,
+                     apply_rotary, attend)
 
 
 @dataclass
@@ -45,9 +48,7 @@ class DSparkAttention(DraftAttention):
         super().__init__(config, layer_idx, config.hidden_size)
 
     def _keys_values(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        batch, length, _ = x.shape
-        keys = self.k_norm(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        values = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        keys, values = self.keys_values(x)
         return apply_rotary(keys, *rope), values
 
     def forward(
@@ -78,19 +79,18 @@ class DSparkAttention(DraftAttention):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
-class DSparkDecoderLayer(nn.Module):
+class DSparkDecoderLayer(DraftDecoderLayer):
+    """A pre-norm (Llama / Qwen3) or Gemma 4 layer (`config.layer_style`, see `DraftDecoderLayer`) around
+    `DSparkAttention`: DeepSpec's `Qwen3DSparkModel` and `Gemma4DSparkModel` layers, one class."""
+
     def __init__(self, config: DSparkDraftConfig, layer_idx: int):
-        super().__init__()
-        self.self_attn = DSparkAttention(config, layer_idx)
-        self.mlp = DraftMLP(config)
-        self.input_layernorm = DraftRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = DraftRMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, DSparkAttention(config, layer_idx))
 
     def forward(self, hidden_states, context, block_rope, context_rope, attention_mask, cache) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(
+        attention_output = self.self_attn(
             self.input_layernorm(hidden_states), context, block_rope, context_rope, attention_mask, cache
         )
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return self.add_attention_and_mlp(hidden_states, attention_output)
 
 
 class DSparkSequentialHead(nn.Module):

@@ -1,5 +1,6 @@
 """Eagle3 drafter: one decoder layer reading `[embed(x_t) ; g_t]`, where g_t is the fused target feature for
-context positions and the drafter's own output state for drafted positions. One file for every target family."""
+context positions and the drafter's own output state for drafted positions. One file for every target family:
+Gemma 4's layers (DeepSpec's `Gemma4Eagle3Model`) are `config.layer_style == "gemma4"` of the same classes."""
 
 
 from dataclasses import dataclass
@@ -10,8 +11,8 @@ from transformers.utils import ModelOutput
 
 from .configuration_eagle3 import Eagle3DraftConfig
 from .drafter_base import DraftPreTrainedModel
-from .layers import (DraftAttention, DraftContextCache, DraftMLP, DraftRMSNorm, DraftRotaryEmbedding, apply_rotary,
-                     attend)
+from .layers import (DraftAttention, DraftContextCache, DraftDecoderLayer, DraftRMSNorm, DraftRotaryEmbedding,
+                     apply_rotary, attend)
 
 
 @dataclass
@@ -36,38 +37,33 @@ class Eagle3Attention(DraftAttention):
     def forward(self, x, rope, attention_mask, cache) -> torch.Tensor:
         batch, length, _ = x.shape
         query = self.q_norm(self.q_proj(x).view(batch, length, -1, self.head_dim))
-        keys = self.k_norm(self.k_proj(x).view(batch, length, -1, self.head_dim))
         query = apply_rotary(query.transpose(1, 2), *rope)
-        keys = apply_rotary(keys.transpose(1, 2), *rope)
-        values = self.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        keys, values = self.keys_values(x)
+        keys = apply_rotary(keys, *rope)
         if cache is not None:
             keys, values = cache.update(self.layer_idx, keys, values)
         out = attend(query, keys, values, attention_mask, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
-class Eagle3DecoderLayer(nn.Module):
+class Eagle3DecoderLayer(DraftDecoderLayer):
     """The first layer attends over `[input_layernorm(embed) ; hidden_norm(g)]` (2d wide) with g as residual;
-    any further layers are plain pre-norm layers."""
+    any further layers are plain pre-norm layers. Pre-norm (Llama / Qwen3) or Gemma 4 norms around the attention
+    (`config.layer_style`, see `DraftDecoderLayer`): DeepSpec's `Qwen3Eagle3Model` and `Gemma4Eagle3Model` layers."""
 
     def __init__(self, config: Eagle3DraftConfig, layer_idx: int):
-        super().__init__()
-        self.reads_embeddings = layer_idx == 0
         width = config.hidden_size
-        self.input_layernorm = DraftRMSNorm(width, config.rms_norm_eps)
+        super().__init__(config, Eagle3Attention(config, layer_idx, 2 * width if layer_idx == 0 else width))
+        self.reads_embeddings = layer_idx == 0
         if self.reads_embeddings:
             self.hidden_norm = DraftRMSNorm(width, config.rms_norm_eps)
-        self.self_attn = Eagle3Attention(config, layer_idx, 2 * width if self.reads_embeddings else width)
-        self.post_attention_layernorm = DraftRMSNorm(width, config.rms_norm_eps)
-        self.mlp = DraftMLP(config)
 
     def forward(self, hidden_states, input_embeds, rope, attention_mask, cache) -> torch.Tensor:
         if self.reads_embeddings:
             x = torch.cat([self.input_layernorm(input_embeds), self.hidden_norm(hidden_states)], dim=-1)
         else:
             x = self.input_layernorm(hidden_states)
-        hidden_states = hidden_states + self.self_attn(x, rope, attention_mask, cache)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return self.add_attention_and_mlp(hidden_states, self.self_attn(x, rope, attention_mask, cache))
 
 
 def causal_mask(query_len: int, past_len: int, device: torch.device) -> torch.Tensor | None:

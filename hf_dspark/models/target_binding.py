@@ -49,6 +49,18 @@ class _TargetHeads:
         self.draft_weight: torch.Tensor | None = None  # LM-head rows of the draft vocabulary, sliced once
 
 
+class _ScaledEmbedding(nn.Embedding):
+    """A frozen embedding whose rows are multiplied by `scale` in the weight's dtype (Gemma's scaled embedding)."""
+
+    def __init__(self, weight: torch.Tensor, scale: float):
+        super().__init__(*weight.shape, _weight=weight, _freeze=True, device=weight.device, dtype=weight.dtype)
+        self.scale = float(scale)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # A float32 scalar cast to the weight's dtype, as Gemma's module casts its float32 `embed_scale` buffer.
+        return super().forward(input_ids) * torch.tensor(self.scale, device=self.weight.device).to(self.weight.dtype)
+
+
 class TargetBindingMixin:
     """The target-sharing half of `DraftPreTrainedModel` (an `nn.Module`): the target's embedding and LM head are
     held in `_target_heads`, never registered as submodules, so they are neither saved nor trained with the drafter;
@@ -128,16 +140,20 @@ class TargetBindingMixin:
         view.__dict__.update(_target_heads=_TargetHeads(embedding, lm_head), _precision_stash=None)
         return view
 
-    def attach_stored_heads(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
+    def attach_stored_heads(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
+                            embed_scale: float | None = None) -> None:
         """Use a checkpoint's frozen copies of its target's input embedding (V, d) and LM head (V, d) until a target
         is attached (DeepSpec stores them), so the drafter runs, and its logits can be compared, with no target
-        loaded. `attach_target` replaces them with the target's own; they are never saved with the drafter."""
+        loaded. `embed_scale`: the embedding's rows are multiplied by it (in their dtype), as a Gemma target's
+        embedding module does with sqrt(hidden_size). `attach_target` replaces them with the target's own; they
+        are never saved with the drafter."""
         vocab, hidden = self.config.vocab_size, self.config.hidden_size
         for name, weight in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
             if tuple(weight.shape) != (vocab, hidden):
                 raise DrafterLoadError(f"the stored {name} has shape {tuple(weight.shape)}, but the drafter's target "
                                        f"has vocab_size {vocab} and hidden_size {hidden}; the checkpoint is corrupt.")
-        embedding = nn.Embedding.from_pretrained(embed_tokens.detach(), freeze=True)
+        embedding = nn.Embedding.from_pretrained(embed_tokens.detach(), freeze=True) if embed_scale is None else \
+            _ScaledEmbedding(embed_tokens.detach(), embed_scale)
         head = nn.Linear(hidden, vocab, bias=False, device=lm_head.device, dtype=lm_head.dtype).requires_grad_(False)
         head.weight.data = lm_head.detach()
         self._target_heads = _TargetHeads(embedding, head)

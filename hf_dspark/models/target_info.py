@@ -30,18 +30,46 @@ def global_rope_parameters(text_config: PreTrainedConfig) -> dict[str, Any]:
     return rope
 
 
+def full_attention_layer_config(text_config: PreTrainedConfig) -> PreTrainedConfig:
+    """The config of the target's full-attention layers, whose attention shape a drafter takes (it attends over the
+    whole context). transformers 5.24+ keeps attributes that differ between layers per layer (`per_layer_config`):
+    Gemma 4's full-attention layers have `head_dim` = its `global_head_dim` and, with `attention_k_eq_v`,
+    `num_key_value_heads` = its `num_global_key_value_heads`, and reading `config.head_dim` raises
+    `AmbiguousGlobalPerLayerAttributeError`. A config without per-layer attributes is its own layers' config."""
+    if not getattr(text_config, "is_heterogeneous", False):
+        return text_config
+    layers = text_config.per_layer_config
+    types = getattr(text_config, "layer_types", None) or []
+    try:
+        return layers["full_attention"] if "full_attention" in types else layers[len(layers) - 1]
+    except ValueError:  # full-attention layers that differ among themselves: the last one (Gemma's is full)
+        return layers[len(layers) - 1]
+
+
+GEMMA4_FAMILIES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
+"""Targets whose drafters get Gemma 4's layers (`layer_style="gemma4"`), as DeepSpec's Gemma 4 drafters have."""
+
+
 def target_shape_fields(target_config: PreTrainedConfig) -> dict[str, Any]:
-    """Every size a drafter copies from its target so that it can share the target's embedding and LM head."""
+    """Every size a drafter copies from its target so that it can share the target's embedding and LM head: the
+    attention shape of the target's full-attention layers (`full_attention_layer_config`). A Gemma 4 target also
+    gives its layer style (`layer_style`, `attention_k_eq_v`) and its logits' soft cap, as DeepSpec's Gemma 4
+    drafters copy them (`deepspec/modeling/dspark/gemma4/`)."""
     text = target_text_config(target_config)
-    num_heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    layer = full_attention_layer_config(text)
+    num_heads = layer.num_attention_heads
+    head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // num_heads
     hidden_act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
+    gemma4 = {"layer_style": "gemma4", "attention_k_eq_v": bool(getattr(text, "attention_k_eq_v", False)),
+              "final_logit_softcapping": getattr(text, "final_logit_softcapping", None)} \
+        if text.model_type in GEMMA4_FAMILIES else {}
     return {
+        **gemma4,
         "vocab_size": text.vocab_size,
         "hidden_size": text.hidden_size,
         "intermediate_size": text.intermediate_size,
         "num_attention_heads": num_heads,
-        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
+        "num_key_value_heads": getattr(layer, "num_key_value_heads", None) or num_heads,
         "head_dim": head_dim,
         "hidden_act": hidden_act,
         "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),

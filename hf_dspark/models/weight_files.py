@@ -75,6 +75,18 @@ def _index_shards(index_file: str, what: str) -> list[str]:
     return sorted(set(names))
 
 
+def indexed_weight_map(folder, what: str) -> dict[str, Path] | None:
+    """{tensor name: shard file} from a local folder's `model.safetensors.index.json` (every shard name checked to be
+    a `.safetensors` file inside the folder), None when the folder has no index: reading some tensors of a sharded
+    checkpoint (a drafter module inside a target's) then opens only the shards that hold them."""
+    index_file = Path(folder) / SAFE_INDEX_NAME
+    if not index_file.is_file():
+        return None
+    _index_shards(str(index_file), what)  # the index is JSON with a weight_map, and every shard name is inside
+    weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+    return {weight: Path(folder) / name for weight, name in weight_map.items()}
+
+
 def _explicit_weights(path, config, options: dict) -> tuple[str | None, str]:
     """config.json's `transformers_weights` (from the config object a caller passes, which transformers reads it
     from, else the saved file) and the config.json it came from."""

@@ -5,9 +5,9 @@ W tokens wide: its anchor and up to W - 1 drafts, padded to the longest row) and
 row takes the best of its own proposals within W: the drafter's block, a suffix match over its own text, or nothing
 (its anchor alone). Every option is priced as expected tokens per second of the round:
 
-    rate(W, drafter) = sum over rows of E_r(W) / (F(R, W) + [drafter runs] * D(R))
+    rate(W, drafter) = sum over rows of w_r E_r(W) / (F(R, W) + [drafter runs] * D(R))
 
-with E_r the row's expected tokens (1 + S_1 + ... + S_k for k proposed tokens surviving with S_j), F the target
+with E_r the row's expected tokens, w_r what its tokens are worth (1 in a server; see `EngineRoundPlanning`) (1 + S_1 + ... + S_k for k proposed tokens surviving with S_j), F the target
 forward's seconds at that shape and D the drafter pass's. A plain step is W = 1 without the drafter: R tokens for
 F(R, 1). A proposal must beat the plain step by `margin` (estimates err; the plain step is measured). When the best
 option is the plain step, no row drafts and the drafter does not run.
@@ -22,7 +22,9 @@ forward costs the same and drafting is free, a GPU-like machine where drafting a
 The drafter's expected tokens per row come from what verification accepted (`SlotAcceptance`: per draft slot, the
 chance it is accepted when the slots before it were), kept per request on top of the batch's pooled rates, so any
 drafter kind is priced by what it really achieves. A drafter that has not run for `probe_every` rounds runs once to
-refresh its estimate; each probe that does not win doubles the wait up to `max_probe_every`.
+refresh its estimate, verifying at most `probe_width` tokens per row (a probe is a round expected to lose); each probe
+that does not win doubles the wait up to `max_probe_every`. Without a cost table a new batch's prefill gives the
+first price of wide forwards.
 
 Lossless: every choice depends on earlier rounds (and on a row's own committed text, for suffix proposals), never on
 this round's drafts; the verifier's rule keeps every row's output exactly the target's.
@@ -55,6 +57,15 @@ class SlotAcceptance:
 
     def rates(self, prior: list[float], prior_weight: float) -> list[float]:
         return [(a + prior_weight * p) / (r + prior_weight) for a, r, p in zip(self.accepted, self.reached, prior)]
+
+    def pooled_rates(self, first_prior: float, prior_weight: float) -> list[float]:
+        """`rates` where each slot's prior is the estimate of the slot before it (the first slot's is
+        `first_prior`): a slot rarely verified (rounds verify few drafts) is priced like the one before it."""
+        rates, prior = [], first_prior
+        for accepted, reached in zip(self.accepted, self.reached):
+            prior = (accepted + prior_weight * prior) / (reached + prior_weight)
+            rates.append(prior)
+        return rates
 
 
 def expected_tokens(rates: list[float], num_tokens: int) -> list[float]:
@@ -131,11 +142,13 @@ def _interpolated(points: dict[int, float], x: int, default: float) -> float:
 @dataclass
 class RowOptions:
     """What one row may verify this round: at most `budget` drafts; `suffix_expected[m]`, the expected tokens of
-    verifying the first m tokens of its suffix proposal (m = 0..len); `drafter_expected[k]`, of k drafter slots."""
+    verifying the first m tokens of its suffix proposal (m = 0..len); `drafter_expected[k]`, of k drafter slots.
+    `weight`: what one of its tokens is worth to the batch (1; less for a row whose tokens shorten nothing)."""
 
     budget: int
     suffix_expected: list[float] = field(default_factory=lambda: [1.0])
     drafter_expected: list[float] = field(default_factory=lambda: [1.0])
+    weight: float = 1.0
 
 
 @dataclass
@@ -157,8 +170,9 @@ class BatchRoundPlanner:
     """`plan(options)` -> `RoundPlan` for the running rows (see the module); `record_*` feed it the round's costs."""
 
     def __init__(self, costs: RoundCosts, drafter_allowed: bool = True, margin: float = 1.05, probe_every: int = 16,
-                 max_probe_every: int = 64):
+                 max_probe_every: int = 64, probe_width: int = 3):
         self.costs, self.drafter_allowed, self.margin = costs, drafter_allowed, margin
+        self.probe_width = probe_width  # a probe verifies at most this many tokens per row: it is a round that loses
         self.probe_every, self.max_probe_every = probe_every, max(probe_every, max_probe_every)
         self.probe_interval = probe_every
         self.rounds_without_drafter = 0
@@ -168,7 +182,8 @@ class BatchRoundPlanner:
         drafter out this round."""
         rows = len(options)
         widest = max(row.budget for row in options) + 1
-        best = RoundPlan(False, [NO_DRAFT] * rows, [0] * rows, rows / self.costs.forward_seconds(rows, 1))
+        plain_tokens = sum(row.weight for row in options)
+        best = RoundPlan(False, [NO_DRAFT] * rows, [0] * rows, plain_tokens / self.costs.forward_seconds(rows, 1))
         bar = best.expected_rate * self.margin  # a proposal must beat the plain step by the margin
         best_drafter = None
         drafting = drafter_possible and self.drafter_allowed
@@ -177,8 +192,8 @@ class BatchRoundPlanner:
                 candidate = self._candidate(options, width, use_drafter)
                 if candidate.expected_rate > bar:
                     best, bar = candidate, candidate.expected_rate
-                if candidate.use_drafter and (best_drafter is None
-                                              or candidate.expected_rate > best_drafter.expected_rate):
+                if candidate.use_drafter and width <= self.probe_width and (
+                        best_drafter is None or candidate.expected_rate > best_drafter.expected_rate):
                     best_drafter = candidate
         if best.use_drafter or best_drafter is None:
             self._drafter_ran(best.use_drafter, won=True)
@@ -210,7 +225,7 @@ class BatchRoundPlanner:
                 source, length, value = DRAFTER, k, row.drafter_expected[k]
             sources.append(source)
             lengths.append(length)
-            expected += value
+            expected += row.weight * value
         used_width = max(lengths) + 1
         seconds = self.costs.forward_seconds(len(options), used_width)
         drafting = use_drafter and DRAFTER in sources

@@ -29,8 +29,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..evaluation.prompts import chat_prompt_ids  # noqa: F401  (prompt building lives in evaluation; re-exported)
-from ..generation.batched import ParkedCache, SpeculativeEngine
-from ..generation.engine_requests import eos_ids as target_eos_ids
+from ..generation.engine.speculative_engine import ParkedCache, SpeculativeEngine
+from ..generation.engine.requests import eos_ids as target_eos_ids
 from ..models.errors import UserInputError
 
 MANIFEST = "manifest.json"

@@ -1,6 +1,7 @@
 """Drafter checkpoints in other projects' layouts, read into hf_dspark drafters in memory: DeepSpec's
-(`Qwen3DSparkModel`, `Qwen3Eagle3Model`), `vllm-project/speculators`' (`speculator_model`) and z-lab DFlash's
-(`DFlashDraftModel`). One module per layout, each with `FORMAT`, `matches(config)` and `load(folder, config)`.
+(`Qwen3DSparkModel`, `Qwen3Eagle3Model`, and for Gemma 4 `Gemma4DSparkModel`, `Gemma4Eagle3Model`: `deepspec_gemma4`),
+`vllm-project/speculators`' (`speculator_model`) and z-lab DFlash's (`DFlashDraftModel`). One module per layout,
+each with `FORMAT`, `matches(config)` and `load(folder, config)`.
 
 `load_layout` is what `DSparkDraftModel.from_pretrained`, `Eagle3DraftModel.from_pretrained` and
 `hf_dspark.AutoDrafter.from_pretrained` call when a folder's config.json is not hf_dspark's own, so every published
@@ -30,9 +31,11 @@ _LOAD_OPTIONS = ("dtype", "torch_dtype", "device_map", "subfolder", "use_safeten
 
 
 def _layouts():
-    from . import deepspec, speculators, zlab_dflash
+    from . import deepspec, k3_dspark, lfm2_dspark, specforge_dspark, speculators, target_mtp, zlab_dflash
 
-    return (deepspec, speculators, zlab_dflash)
+    # The layouts published since DeepSpec first: SpecForge's and LiquidAI's are Qwen3 configs with a dflash_config,
+    # which z-lab's reader would otherwise claim; a target checkpoint with a DSpark module is target_mtp's.
+    return (specforge_dspark, lfm2_dspark, k3_dspark, target_mtp, deepspec, speculators, zlab_dflash)
 
 
 def layout_of(config: dict):
@@ -53,12 +56,12 @@ def layout_name(config) -> str | None:
     return f"{module.FORMAT} ({what})"
 
 
-def _local_snapshot(path, options: dict) -> Path:
-    """A Hub repository's config and safetensors files in the local cache (downloaded if needed)."""
+def _local_snapshot(path, options: dict, patterns=("*.json", "*.safetensors")) -> Path:
+    """A Hub repository's config and safetensors files (`patterns`) in the local cache (downloaded if needed)."""
     from huggingface_hub import snapshot_download
 
     hub = {k: options[k] for k in _HUB_OPTIONS if options.get(k) is not None}
-    folder = snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"], **hub)
+    folder = snapshot_download(str(path), allow_patterns=list(patterns), **hub)
     return Path(folder) / (options.get("subfolder") or "")
 
 
@@ -72,8 +75,8 @@ def load_layout(path, config: dict, module, expected_class=None, **options):
     if options.get("use_safetensors") is False:
         raise UserInputError("hf_dspark drafters load weights from safetensors only; drop use_safetensors=False.")
     folder = Path(path).expanduser() / (options.get("subfolder") or "")
-    if not folder.is_dir():
-        folder = _local_snapshot(path, options)
+    if not folder.is_dir():  # a target checkpoint's module: its config and index only (`SNAPSHOT_PATTERNS`)
+        folder = _local_snapshot(path, options, getattr(module, "SNAPSHOT_PATTERNS", ("*.json", "*.safetensors")))
     model = module.load(folder, config)
     if expected_class is not None and not isinstance(model, expected_class):
         raise DrafterLoadError(f"{path} holds a {module.FORMAT} drafter that loads as {type(model).__name__}, not "

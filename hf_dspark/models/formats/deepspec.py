@@ -14,6 +14,9 @@ Tensor names (DeepSpec -> hf_dspark; every other name is the same on both sides)
     embed_tokens / lm_head            drafter.attach_stored_heads(...) until a target is attached
     d2t / t2d (hf_dspark's exports)   draft_to_target (t2d is checked against it)
 
+DeepSpec's Gemma 4 drafters (`Gemma4DSparkModel`, `Gemma4Eagle3Model`) have the same names plus Gemma 4's layer
+tensors and config fields, read as `deepspec_gemma4` describes into the same classes (`layer_style="gemma4"`).
+
 The forward math was checked against DeepSpec's own code run on random drafters (tests/data/deepspec_golden/, made
 by benchmarks/interop/make_deepspec_goldens.py): the same per-slot logits within 1e-5 in float32.
 
@@ -32,8 +35,10 @@ from ..configuration_dspark import DSparkDraftConfig
 from ..modeling_dspark import DSparkDraftModel
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..weight_files import check_fits_before_building, read_checkpoint_tensors
-from .deepspec_config import (ARCHITECTURES, DSPARK_ARCHITECTURE, EAGLE3_ARCHITECTURE, MARKOV_TYPES,  # noqa: F401
-                              _architecture, _flag, check_fields_of, dspark_config, eagle3_config)
+from .deepspec_gemma4 import normalized as gemma4_normalized
+from .deepspec_config import (ARCHITECTURES, DSPARK_ARCHITECTURE, EAGLE3_ARCHITECTURE,  # noqa: F401
+                              EAGLE3_ARCHITECTURES, GEMMA4_ARCHITECTURES, MARKOV_TYPES, _architecture, _flag,
+                              check_fields_of, dspark_config, eagle3_config)
 
 FORMAT = "deepspec"
 HEAD_NAMES = {  # DeepSpec -> hf_dspark
@@ -50,7 +55,7 @@ W1, W2 = "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"
 STORED_HEADS = ("embed_tokens.weight", "lm_head.weight")
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # recomputed from rope_parameters (older transformers saved it)
 FIX = ("Fix config.json to the checkpoint it was saved with (markov_rank, markov_head_type, enable_confidence_head, "
-       "num_hidden_layers; fc fuses len(target_layer_ids) target layers).")
+       "num_hidden_layers; Gemma 4: global_head_dim, attention_k_eq_v; fc fuses len(target_layer_ids) target layers).")
 
 
 def matches(config: dict) -> bool:
@@ -68,9 +73,10 @@ def load(folder: Path, config: dict) -> DSparkDraftModel | Eagle3DraftModel:
     folder = Path(folder)
     source = str(folder / "config.json")
     architecture = _architecture(config, source)
+    config = gemma4_normalized(config) if architecture in GEMMA4_ARCHITECTURES else config
     check_fields_of(config, source, architecture)
     weights = read_checkpoint_tensors(folder, "DeepSpec drafter", "save the drafter with DeepSpec's save_pretrained")
-    if architecture == EAGLE3_ARCHITECTURE:
+    if architecture in EAGLE3_ARCHITECTURES:
         model_class, ours = Eagle3DraftModel, eagle3_config(config, source)
     else:
         zero_head = _is_zero_vanilla_head(config, weights)
@@ -87,8 +93,11 @@ def load(folder: Path, config: dict) -> DSparkDraftModel | Eagle3DraftModel:
     dtype = _kept_dtype([*state.values(), *heads.values()])
     drafter.to(dtype)
     # Gemma targets scale their embedding by sqrt(hidden_size) inside the embedding module, so a plain lookup of
-    # the stored copy would be wrong: drafters exported for them (DeepSpec's own are Qwen3) wait for their target.
-    if heads and not str(config.get("model_type", "qwen3")).startswith("gemma"):
+    # the stored copy would be wrong: Qwen3-layout drafters exported for them wait for their target. DeepSpec's
+    # Gemma 4 drafters embed with that scale themselves (Gemma4TextScaledWordEmbedding), and so do their stored heads.
+    if heads and architecture in GEMMA4_ARCHITECTURES:
+        _attach_heads(drafter, heads, dtype, source, embed_scale=drafter.config.hidden_size ** 0.5)
+    elif heads and not str(config.get("model_type", "qwen3")).startswith("gemma"):
         _attach_heads(drafter, heads, dtype, source)
     return drafter.eval()
 
@@ -189,7 +198,7 @@ def _kept_dtype(tensors) -> torch.dtype:
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
-def _attach_heads(drafter, heads: dict, dtype: torch.dtype, source: str) -> None:
+def _attach_heads(drafter, heads: dict, dtype: torch.dtype, source: str, embed_scale: float | None = None) -> None:
     """The stored copies of the target's embedding and LM head, as the drafter's heads until a target is attached.
     With a draft vocabulary the LM head holds its rows only; they go to the draft ids of a full-vocabulary head
     (`compute_logits` reads only those rows)."""
@@ -202,7 +211,7 @@ def _attach_heads(drafter, heads: dict, dtype: torch.dtype, source: str) -> None
         full = lm_head.new_zeros(drafter.config.vocab_size, lm_head.shape[1])
         full[draft_ids] = lm_head
         lm_head = full
-    drafter.attach_stored_heads(embedding, lm_head)
+    drafter.attach_stored_heads(embedding, lm_head, embed_scale=embed_scale)
 
 
 def check_stored_heads_match(drafter, target, source: str) -> None:

@@ -10,10 +10,15 @@ from ..config_checks import BOOLEAN, FROM_WEIGHTS, built_naming, check_config_fi
 from ..configuration_dspark import DSparkDraftConfig
 from ..configuration_eagle3 import Eagle3DraftConfig
 from ..errors import DrafterLoadError
+from .deepspec_gemma4 import (GEMMA4_TEXT_FIELDS, INFORMATIONAL_FIELDS, check as check_gemma4,
+                              normalized as gemma4_normalized, target_fields as gemma4_target_fields)
 
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
 EAGLE3_ARCHITECTURE = "Qwen3Eagle3Model"
-GEMMA4_ARCHITECTURES = ("Gemma4DSparkModel", "Gemma4Eagle3Model")
+GEMMA4_DSPARK_ARCHITECTURE, GEMMA4_EAGLE3_ARCHITECTURE = "Gemma4DSparkModel", "Gemma4Eagle3Model"
+GEMMA4_ARCHITECTURES = (GEMMA4_DSPARK_ARCHITECTURE, GEMMA4_EAGLE3_ARCHITECTURE)
+"""DeepSpec's drafters for Gemma 4 targets: Gemma 4 layers (`layer_style="gemma4"`; `deepspec_gemma4`)."""
+EAGLE3_ARCHITECTURES = (EAGLE3_ARCHITECTURE, GEMMA4_EAGLE3_ARCHITECTURE)
 ARCHITECTURES = (DSPARK_ARCHITECTURE, EAGLE3_ARCHITECTURE, *GEMMA4_ARCHITECTURES)
 MARKOV_TYPES = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}  # DeepSpec markov_head_type -> our markov_head
 
@@ -58,22 +63,18 @@ IRRELEVANT_FIELDS = {
 CHECKED_FIELDS = ("architectures", "model_type", "num_hidden_layers", "layer_types", "use_sliding_window")
 """Read to pick and size the drafter, or checked to hold the value our layers assume (full attention only)."""
 
-UNSUPPORTED_GEMMA4 = (
-    "{architecture} is DeepSpec's drafter for Gemma4 targets, whose layers differ from the Qwen3-style layers of "
-    "hf_dspark's drafters: attention with scaling 1.0, an unscaled RMSNorm on the values, values equal to the keys "
-    "when attention_k_eq_v is set, global_head_dim / num_global_key_value_heads, sandwich norms "
-    "(post_attention, pre_ and post_feedforward layernorms), a per-layer layer_scalar, embeddings scaled by "
-    "sqrt(hidden_size) and final_logit_softcapping. Supporting it would take those options in "
-    "DSparkDraftConfig / Eagle3DraftConfig and their layers; until then it is refused rather than loaded wrong."
-)
-
-
 def check_fields_of(config: dict, source: str, architecture: str) -> None:
-    """Every field of a DeepSpec `architecture`'s config.json accounted for and checked (`_check_fields`)."""
-    if architecture == EAGLE3_ARCHITECTURE:
-        _check_fields(config, source, EAGLE3_FIELDS, required=("ttt_length", "target_layer_ids"))
+    """Every field of a DeepSpec `architecture`'s config.json (`deepspec_gemma4.normalized` for a Gemma 4 one)
+    accounted for and checked (`_check_fields`)."""
+    extra = ()
+    if architecture in GEMMA4_ARCHITECTURES:
+        check_gemma4(config, source)
+        extra = (*GEMMA4_TEXT_FIELDS, *INFORMATIONAL_FIELDS)
+    if architecture in EAGLE3_ARCHITECTURES:
+        _check_fields(config, source, (*EAGLE3_FIELDS, *extra), required=("ttt_length", "target_layer_ids"))
     else:
-        _check_fields(config, source, DSPARK_FIELDS, required=("block_size", "mask_token_id", "target_layer_ids"))
+        _check_fields(config, source, (*DSPARK_FIELDS, *extra),
+                      required=("block_size", "mask_token_id", "target_layer_ids"))
 
 
 def _architecture(config: dict, source: str) -> str:
@@ -82,8 +83,6 @@ def _architecture(config: dict, source: str) -> str:
     if len(architectures) != 1 or not ours:
         raise DrafterLoadError(f"{source} lists architectures {architectures}; a DeepSpec drafter names exactly one "
                                f"of {list(ARCHITECTURES)}. Fix the field to the class that saved the checkpoint.")
-    if ours[0] in GEMMA4_ARCHITECTURES:
-        raise DrafterLoadError(f"{source}: architectures {ours}: " + UNSUPPORTED_GEMMA4.format(architecture=ours[0]))
     return ours[0]
 
 
@@ -159,10 +158,14 @@ def _sample_from_anchor(config: dict, source: str) -> bool:
 
 
 def _target_config(config: dict, source: str):
-    """The target's config rebuilt from the copied fields (depth: `num_target_layers`)."""
+    """The target's config rebuilt from the copied fields (depth: `num_target_layers`; a Gemma 4 one's default
+    sliding / full layer pattern, the full-attention layers sized by `global_head_dim`)."""
     model_type = config.get("model_type", "qwen3")
     fields = {name: config[name] for name in (*TARGET_SHAPE_FIELDS, *_target_class_fields(config))
-              if name in config and name not in ("model_type", "architectures", "num_hidden_layers", "layer_types")}
+              if name in config and name not in ("model_type", "architectures", "num_hidden_layers", "layer_types",
+                                                 "per_layer_config")}
+    if (config.get("architectures") or [None])[0] in GEMMA4_ARCHITECTURES:
+        fields.update(gemma4_target_fields(config))
     fields["rope_parameters"] = _rope_parameters(config, source)
     for name in ("rope_theta", "rope_scaling"):
         fields.pop(name, None)
@@ -198,10 +201,20 @@ def _draft_vocab_size(config: dict) -> int | None:
     return size if size and size < config["vocab_size"] else None
 
 
+def _read(config: dict, source: str, default: str) -> dict:
+    """The config.json as read (`deepspec_gemma4.normalized` for a Gemma 4 drafter), every field checked for its
+    architecture (`default` when it names none)."""
+    architecture = _architecture(config, source) if config.get("architectures") else default
+    config = gemma4_normalized(config) if architecture in GEMMA4_ARCHITECTURES else config
+    check_fields_of(config, source, architecture)
+    return config
+
+
 def dspark_config(config: dict, source: str = "checkpoint", *, zero_markov_head: bool = False) -> DSparkDraftConfig:
-    """Our `DSparkDraftConfig` for a DeepSpec `Qwen3DSparkModel` config.json. `zero_markov_head`: the checkpoint's
-    vanilla Markov head has W1 = 0 (how hf_dspark exports DFlash), so it adds nothing and the drafter is DFlash."""
-    check_fields_of(config, source, DSPARK_ARCHITECTURE)
+    """Our `DSparkDraftConfig` for a DeepSpec `Qwen3DSparkModel` / `Gemma4DSparkModel` config.json. `zero_markov_head`:
+    the checkpoint's vanilla Markov head has W1 = 0 (how hf_dspark exports DFlash), so it adds nothing and the
+    drafter is DFlash."""
+    config = _read(config, source, DSPARK_ARCHITECTURE)
     rank = int(config.get("markov_rank") or 0)
     head_type = config.get("markov_head_type", "vanilla")
     if rank and head_type not in MARKOV_TYPES:
@@ -226,8 +239,9 @@ def dspark_config(config: dict, source: str = "checkpoint", *, zero_markov_head:
 
 
 def eagle3_config(config: dict, source: str = "checkpoint") -> Eagle3DraftConfig:
-    """Our `Eagle3DraftConfig` for a DeepSpec `Qwen3Eagle3Model` config.json (`ttt_length` is our `block_size`)."""
-    check_fields_of(config, source, EAGLE3_ARCHITECTURE)
+    """Our `Eagle3DraftConfig` for a DeepSpec `Qwen3Eagle3Model` / `Gemma4Eagle3Model` config.json (`ttt_length` is
+    our `block_size`)."""
+    config = _read(config, source, EAGLE3_ARCHITECTURE)
     layers = config.get("num_hidden_layers")
     if layers != 1 or config.get("draft_num_hidden_layers", 1) != 1:
         raise DrafterLoadError(
@@ -250,5 +264,6 @@ def eagle3_config(config: dict, source: str = "checkpoint") -> Eagle3DraftConfig
         draft_vocab_size=_draft_vocab_size(config), deepspec_fields=_kept_fields(config)))
 
 
-__all__ = ["ARCHITECTURES", "DSPARK_ARCHITECTURE", "EAGLE3_ARCHITECTURE", "MARKOV_TYPES", "check_fields_of",
-           "dspark_config", "eagle3_config"]
+__all__ = ["ARCHITECTURES", "DSPARK_ARCHITECTURE", "EAGLE3_ARCHITECTURE", "EAGLE3_ARCHITECTURES",
+           "GEMMA4_ARCHITECTURES", "GEMMA4_DSPARK_ARCHITECTURE", "GEMMA4_EAGLE3_ARCHITECTURE", "MARKOV_TYPES",
+           "check_fields_of", "dspark_config", "eagle3_config"]

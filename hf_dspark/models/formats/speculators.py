@@ -90,7 +90,7 @@ DFLASH2_REFUSAL = (
     "convolution inside each draft block in every layer (conv_kernel_size, conv_group_size) and a low-rank candidate "
     "selector that reranks each slot's top selector_top_k tokens (selector_rank); hf_dspark's DSparkDraftModel has "
     "neither. Supporting it would take that convolution in DSparkDecoderLayer and a reranking step in the drafting "
-    "core (hf_dspark.generation.drafting.draft_block). Use the checkpoint with vLLM or speculators.")
+    "core (hf_dspark.generation.round.drafting.draft_block). Use the checkpoint with vLLM or speculators.")
 
 
 def matches(config: dict) -> bool:

@@ -1,0 +1,1 @@
+"""A `generate()` call: the hooks that route it, its settings and plan, its checks and outputs."""

@@ -1,0 +1,120 @@
+"""What the batched engine refuses, before any work: targets and drafters it cannot run, and requests it would not
+decode as the target's own decoding of the prompt alone."""
+
+from __future__ import annotations
+
+import torch
+
+from ...models.identity import drafter_type
+from .requests import ParkedCache
+from .masks import mask_kinds
+from ..call.plan import DraftingPlan
+from ..call.settings import checked_draft_length
+from ..transformers_internals import growing_cache
+
+_HOLE_SAFE_ATTENTION = ("sdpa", "eager")
+
+
+def check_target(target) -> None:
+    """Refuse a target the engine cannot run, before any work."""
+    if target.config.is_encoder_decoder:
+        raise ValueError("hf_dspark's engine serves decoder-only targets; this target is encoder-decoder.")
+    implementation = target.config._attn_implementation
+    if implementation not in _HOLE_SAFE_ATTENTION:
+        raise ValueError(
+            f"Batched decoding keeps holes in the target cache, which needs an attention that takes an arbitrary "
+            f"padding mask ({' or '.join(_HOLE_SAFE_ATTENTION)}); this target uses {implementation!r}. Load it with "
+            "attn_implementation='sdpa'."
+        )
+    new_target_cache(target)  # refuses layers without per-token entries, and kinds the engine cannot mask
+
+
+def new_target_cache(target):
+    """A cache whose layers all keep every entry, sliding-window layers included: a window counts cache slots, holes
+    included, so the engine applies it in its own masks, by position (`masks`)."""
+    mask_kinds(target)  # refuses recurrent, chunked and other layer kinds by name
+    cache = growing_cache(target.config)
+    if cache is None:
+        raise ValueError(
+            "Batched decoding runs targets whose layers all keep per-token keys and values (full or sliding-window "
+            "attention); this target has layers with recurrent or convolution states or a shared cache, which the "
+            "engine's holes cannot keep. Decode it per prompt."
+        )
+    return cache
+
+
+def engine_plan(drafter, policy, policy_arg, threshold_rule, draft_length) -> DraftingPlan:
+    """The plan of an engine built directly: its arguments are the settings of one call, checked once by
+    `DraftingPlan.for_call` (the unset ones from the drafter's `generation_config`, as `generate()` resolves them)."""
+    call = {}
+    if policy is not None:
+        call["dspark_verification_policy"] = (policy, policy_arg)
+    if threshold_rule is not None:
+        call["dspark_confidence_threshold_rule"] = threshold_rule
+    if draft_length is not None:
+        call["num_assistant_tokens"] = checked_draft_length(draft_length, drafter.config.num_draft_slots,
+                                                            name="draft_length")
+    return DraftingPlan.for_call(drafter, call)
+
+
+def check_drafter(target, drafter) -> None:
+    """Refuse what the engine cannot run, before any work: drafters that are not hf_dspark's, targets it cannot
+    batch."""
+    if drafter_type(drafter) is None:
+        raise ValueError(
+            f"Batched speculative decoding runs hf_dspark drafters (DSparkDraftModel, Eagle3DraftModel), got "
+            f"{type(drafter).__name__}."
+        )
+    check_target(target)
+
+
+def checked_prompt(input_ids, vocab_size: int) -> torch.LongTensor:
+    """One non-empty 1D prompt of integer ids inside the vocabulary (a float tensor is refused, not truncated)."""
+    input_ids = torch.as_tensor(input_ids)
+    if input_ids.ndim == 2 and input_ids.shape[0] == 1:
+        input_ids = input_ids[0]
+    if input_ids.ndim != 1 or input_ids.numel() == 0:
+        raise ValueError(f"submit takes one non-empty prompt of shape (length,), got shape {tuple(input_ids.shape)}.")
+    if input_ids.dtype == torch.bool or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+        raise ValueError(
+            f"submit takes integer token ids, got dtype {input_ids.dtype}; pass the tokenizer's ids as a LongTensor "
+            "(e.g. tokenizer(text, return_tensors='pt').input_ids[0])."
+        )
+    outside = ((input_ids < 0) | (input_ids >= vocab_size)).nonzero()
+    if outside.numel():
+        position = int(outside[0, 0])
+        raise ValueError(
+            f"token id {int(input_ids[position])} at position {position} is outside the target's vocabulary "
+            f"(ids 0..{vocab_size - 1}); tokenize the prompt with the target's own tokenizer."
+        )
+    return input_ids
+
+
+def check_left_padded(input_ids, attention_mask) -> None:
+    """Holes replace padding only at the front of a row: a pad after a real token would be read as context."""
+    if input_ids.ndim != 2 or attention_mask is None or attention_mask.shape != input_ids.shape:
+        raise ValueError("input_ids and attention_mask must both have shape (batch, prompt_length).")
+    mask = attention_mask.bool()
+    if not bool(mask[:, -1].all()) or bool((mask[:, 1:].long() < mask[:, :-1].long()).any()):
+        raise ValueError(
+            "Prompts must be left-padded (attention_mask 0s then 1s, ending in a real token); tokenize with "
+            "padding_side='left'."
+        )
+
+
+def check_resume(tokens: list[int], resume: ParkedCache | None, plain: bool) -> None:
+    """A parked cache continues only the text it covers, and only in plain decoding (drafters keep a context of
+    their own that is not parked)."""
+    if resume is None:
+        return
+    if not plain:
+        raise ValueError("resume= continues a parked target cache, which only an engine without a drafter "
+                         "(drafter=None) runs; with a drafter, submit the whole conversation as the prompt.")
+    covered = len(resume.tokens)
+    if len(tokens) <= covered or tokens[:covered] != resume.tokens:
+        raise ValueError(
+            f"resume= covers {covered} tokens that are not a strict prefix of this prompt ({len(tokens)} tokens); "
+            "submit the parked request's tokens followed by the new ones (at least one)."
+        )
+
+

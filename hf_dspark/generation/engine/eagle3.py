@@ -1,0 +1,143 @@
+"""Eagle3 drafting for R rows at once (the batched engine), and the steps the batch-1 generator shares with it.
+
+An Eagle3 context row t reads the target feature at t with the token at t + 1 and predicts the token at t + 2. A
+round runs one context pass over the rows committed since the drafter last ran (`context_pass`), then one drafter
+step per drafted token, each reading the token just drafted with the drafter's own previous output state
+(`draft_chain`); the drafted rows leave the drafter cache afterwards, so rejected tokens leave no trace. Batch 1
+(`one_prompt.proposers.Eagle3CandidateGenerator`) runs these two steps with no masks or positions (its cache has no holes).
+
+In the engine the drafter cache keeps holes like the target's (`BatchRows.draft_valid`): the context pass attends to
+the valid cached columns and, causally, to the valid queued ones (every queued row also sees itself, so a hole's
+state stays finite for the layers after the first), at the queued entries' own positions; the chain's steps sit
+at the anchor's position and on. The token after each queued feature is staged beside it
+(`BatchRows.pending_tokens`); a row's newest queued entry is followed by its anchor, and its output starts the
+row's chain, so that entry stays queued when rows project their context before a merge (`project_queued`).
+Nothing here reads the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...models.identity import EAGLE3_DRAFTER_TYPE, drafter_type
+from ...models.layers import DraftContextCache
+from ...models.modeling_eagle3 import Eagle3DraftModel
+from ...scheduling.draft_length import DraftLengthRule
+from .rows import BatchRows
+from ..round.drafting import Drafts
+
+
+def context_pass(drafter: Eagle3DraftModel, tokens: torch.LongTensor, features: torch.Tensor,
+                 cache: DraftContextCache, positions: torch.LongTensor | None = None,
+                 mask: torch.BoolTensor | None = None,
+                 newest: torch.LongTensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append context rows (`features` (R, M, F) with `tokens` (R, M), the token after each) to `cache`; returns
+    the logits (R, V) and output state (R, 1, H) of each row's newest context row: column `newest` (R,), or the
+    last row when None (batch 1). `positions` and `mask` None: right after the cached rows, causal."""
+    if newest is None:
+        out = drafter(input_ids=tokens, target_hidden_states=features, cache=cache)
+        return out.logits[:, -1], out.hidden_states[:, -1:]
+    # Only the newest rows' logits, picked by index: a boolean mask would read the device to count its rows.
+    newest = newest.to(features.device)  # the drafter's (`attach_target`)
+    picked = (torch.arange(newest.shape[0], device=newest.device), newest)
+    out = drafter(input_ids=tokens, target_hidden_states=features, position_ids=positions, attention_mask=mask,
+                  cache=cache, logits_mask=picked)
+    return out.logits, out.hidden_states[picked][:, None]
+
+
+def draft_chain(drafter: Eagle3DraftModel, logits: torch.Tensor, state: torch.Tensor, slots: int, sampling,
+                generator: torch.Generator | None, cache: DraftContextCache,
+                positions: torch.LongTensor | None = None,
+                context_valid: torch.BoolTensor | None = None) -> tuple[torch.LongTensor, torch.Tensor | None]:
+    """Draft `slots` tokens per row from the newest context row's `logits` and `state`: each slot's token goes
+    through the user's processors and the choice (`sampling`), then one drafter step reads it with the previous
+    state. The drafted rows are removed from `cache` afterwards.
+
+    Args:
+        positions: (R,) the position of each row's first step (its anchor's); None: right after the cached rows.
+        context_valid: (R, C) the cache's valid columns before the chain (the steps see those and themselves);
+            None: every column.
+
+    Returns:
+        (tokens (R, slots), the distributions sampled rows drew them from (R, slots, V), or None).
+    """
+    context_length = cache.get_seq_length()
+    num_rows = logits.shape[0]
+    tokens, probs = [], []
+    drafted = torch.zeros(num_rows, 0, dtype=torch.long, device=logits.device)
+    for slot in range(slots):
+        processed = sampling.process(drafter.to_target_vocab(logits.float()), drafted)
+        token, distribution = sampling.choose(processed, generator)
+        tokens.append(token)
+        if distribution is not None:
+            probs.append(distribution)
+        if slot + 1 == slots:
+            break
+        if not getattr(sampling, "context_free", True):
+            drafted = torch.stack(tokens, dim=1)  # only processors that read the context need it
+        kwargs = {}
+        if positions is not None:
+            valid = torch.cat([context_valid, context_valid.new_ones(num_rows, slot + 1)], dim=1)
+            kwargs = dict(position_ids=(positions + slot)[:, None], attention_mask=valid[:, None, None, :])
+        out = drafter(input_ids=token[:, None], hidden_states=state, cache=cache, **kwargs)
+        logits, state = out.logits[:, -1], out.hidden_states
+    cache.crop(context_length)  # drafted rows were built on the drafter's own states
+    if not tokens:
+        return drafted, None
+    return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None
+
+
+def newest_column(newest: torch.BoolTensor) -> torch.LongTensor:
+    """(R,) the column of each row's one newest queued entry (`BatchRows.newest_entries`)."""
+    return newest.long().argmax(dim=1)
+
+
+def context_mask(cached_valid: torch.BoolTensor, queued_valid: torch.BoolTensor) -> torch.BoolTensor:
+    """(R, 1, M, C + M): queued row i sees the valid cached columns and the valid queued rows up to itself, and
+    itself always (a hole's row then attends somewhere: no NaN enters the layers after the first)."""
+    width = queued_valid.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=queued_valid.device).tril()
+    own = causal & queued_valid[:, None, :] | torch.eye(width, dtype=torch.bool, device=queued_valid.device)
+    return torch.cat([cached_valid[:, None, :].expand(-1, width, -1), own], dim=-1)[:, None]
+
+
+def draft_rows(drafter: Eagle3DraftModel, rows: BatchRows, budget: torch.LongTensor, slots: int,
+               rule: DraftLengthRule, sampling, generator: torch.Generator | None) -> Drafts:
+    """The engine's Eagle3 round for every row: one context pass over every row's queued context, then `slots`
+    chain steps over all rows at once; each row verifies `rule.lengths(None, budget)` of them (no confidences)."""
+    newest = rows.newest_entries()
+    context_valid = torch.cat([rows.draft_valid, rows.pending_valid], dim=1)
+    logits, state = context_pass(drafter, rows.next_tokens(newest), rows.pending, rows.draft_cache,
+                                 rows.pending_positions, context_mask(rows.draft_valid, rows.pending_valid),
+                                 newest_column(newest))
+    rows.draft_valid = context_valid  # the queued context is in the cache now; verification queues the next
+    rows.take_context()
+    tokens, probs = draft_chain(drafter, logits, state, slots, sampling, generator, rows.draft_cache,
+                                rows.target_length, context_valid)
+    return Drafts(tokens, probs, rule.lengths(None, budget))
+
+
+def project_queued(drafter: Eagle3DraftModel, rows: BatchRows) -> None:
+    """Move the queued context into the drafter cache now (`passes.project_context`, before rows join),
+    except each row's newest entry, which stays queued alone: its output starts the row's next chain. Its column
+    is projected too, as a hole (the columns of the others vary by row), so the next pass appends one column."""
+    if rows.pending.shape[1] <= 1:  # one column: every row's newest entry, nothing else
+        return
+    newest = rows.newest_entries()
+    older = rows.pending_valid & ~newest
+    none = older.new_zeros(0, dtype=torch.long)  # no logits are needed (an index: a mask would read the device)
+    drafter(input_ids=rows.pending_tokens, target_hidden_states=rows.pending, position_ids=rows.pending_positions,
+            attention_mask=context_mask(rows.draft_valid, older), cache=rows.draft_cache, logits_mask=(none, none))
+    rows.draft_valid = torch.cat([rows.draft_valid, older], dim=1)
+    column = newest_column(newest)[:, None]
+    rows.pending = rows.pending.gather(1, column[..., None].expand(-1, -1, rows.pending.shape[-1]))
+    rows.pending_valid, rows.pending_positions = newest.gather(1, column), rows.pending_positions.gather(1, column)
+    rows.pending_tokens = rows.pending_tokens.gather(1, column)
+
+
+def row_drafter_for(drafter):
+    """The engine's drafting pass for `drafter` when it is an Eagle3 drafter (`draft_rows`), else None."""
+    return draft_rows if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE else None
+
+
+__all__ = ["context_mask", "context_pass", "draft_chain", "draft_rows", "project_queued", "row_drafter_for"]

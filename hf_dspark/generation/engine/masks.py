@@ -1,0 +1,120 @@
+"""The target's attention masks in the batched engine, for targets with sliding-window layers.
+
+The engine's target cache keeps holes (rejected drafts, padding) and a row's real tokens at explicit positions, so a
+cache *slot* is not a position. For full attention that does not matter: transformers' causal mask by slot, with the
+(R, W) validity as padding mask, sees exactly a row's earlier real tokens. A sliding window, though, counts slots, holes
+included: it would see fewer real tokens than the target's own decoding. So for a target with sliding-window layers
+every layer keeps every entry (`transformers_internals.growing_cache`) and the engine builds the masks itself, by
+position, and passes them ready-made (transformers then builds none):
+
+    key j is visible to query i of a row  iff  j is a real entry of the row and pos[j] <= pos[i]
+                                               (and pos[i] - pos[j] < window on a sliding layer)
+
+as transformers' `sliding_window_causal_mask_function` (`kv_idx > q_idx - sliding_window`) does on a hole-free cache,
+where slots are positions. A query always sees its own entry: a query that is itself a hole (left padding, a padded
+draft) might otherwise see nothing, and sdpa turns a fully masked row into NaN on some backends, which a later layer
+would read (with weight 0, but 0 * NaN is NaN). A hole's output is never used.
+
+The masks are 4D, (R, 1, Q, K): bool (True = attend) for sdpa, additive float (0 or the dtype's minimum) for eager, as
+transformers' `sdpa_mask`/`eager_mask` make them. A target whose layers are all sliding gets the one mask (its decoder
+returns a 4D mask as given); a target mixing full and sliding layers gets the mapping {layer type: mask} its decoder
+takes instead of building its own (`generate` passes the same)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..transformers_internals import attention_layer_types, takes_mask_mapping
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class MaskKinds:
+    """The attention kinds of a target's layers, as the engine masks them."""
+
+    kinds: frozenset[str]  # a subset of {FULL, SLIDING}
+    window: int | None  # the sliding layers' window (None without any)
+
+    @property
+    def full_only(self) -> bool:
+        return self.kinds == frozenset({FULL})
+
+
+_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> (its config, MaskKinds)
+
+
+def mask_kinds(target) -> MaskKinds:
+    """The target's layer kinds; refuses (ValueError) those the engine cannot mask. Read once per target and config
+    (every forward asks)."""
+    try:
+        config, kinds = _KINDS.get(target, (None, None))
+    except TypeError:  # a stand-in that takes no weak reference: read every time
+        return _read_kinds(target)
+    if config is not target.config:
+        kinds = _read_kinds(target)
+        _KINDS[target] = (target.config, kinds)
+    return kinds
+
+
+def _read_kinds(target) -> MaskKinds:
+    kinds = frozenset(attention_layer_types(target.config))
+    others = sorted(kinds - {FULL, SLIDING})
+    if others:
+        raise ValueError(
+            f"Batched decoding runs targets with full and sliding-window attention layers; this target also has "
+            f"{', '.join(map(repr, others))} layers (recurrent, convolution, chunked or shared-cache layers cannot "
+            "keep the engine's holes); decode it per prompt with target.generate(..., assistant_model=drafter)."
+        )
+    text = target.config.get_text_config(decoder=True)
+    if SLIDING not in kinds:
+        return MaskKinds(kinds, None)
+    window = getattr(text, "sliding_window", None)
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"This target has sliding-window layers but no usable sliding_window ({window!r}).")
+    if getattr(text, "use_bidirectional_attention", False) or not getattr(text, "is_causal", True):
+        raise ValueError("Batched decoding needs causal attention; this target's sliding layers are bidirectional.")
+    if kinds == {FULL, SLIDING} and not takes_mask_mapping(target):
+        raise ValueError(
+            f"This target mixes full and sliding-window layers, but its decoder ({type(target.base_model).__name__}) "
+            "does not take a ready attention-mask mapping per layer type, which batched decoding needs; decode it "
+            "per prompt."
+        )
+    return MaskKinds(kinds, window)
+
+
+def target_attention_mask(target, cached_valid: torch.BoolTensor, new_valid: torch.BoolTensor,
+                          positions: torch.LongTensor):
+    """The `attention_mask` of a target forward appending entries at `positions` (R, Q), real where `new_valid`, to
+    a cache whose real entries are `cached_valid` (R, W): the (R, W + Q) padding mask for full-attention targets
+    (transformers makes the causal mask), else the masks by position (module docstring)."""
+    valid = torch.cat([cached_valid, new_valid], dim=1)
+    kinds = mask_kinds(target)
+    if kinds.full_only:
+        return valid.long()
+    # A real entry's position is the number of real entries before it in its row.
+    key_positions = torch.cat([cached_valid.long().cumsum(dim=1) - 1, positions], dim=1)
+    eager = target.config._attn_implementation == "eager"
+    masks = {kind: _by_position(valid, key_positions, positions, kinds.window if kind == SLIDING else None,
+                                target.dtype if eager else None)
+             for kind in kinds.kinds}
+    return masks[SLIDING] if len(masks) == 1 else masks
+
+
+def _by_position(valid, key_positions, query_positions, window: int | None, additive_dtype) -> torch.Tensor:
+    """(R, 1, Q, K) mask: real keys at positions up to the query's (within `window` of it), and the query itself."""
+    queries, keys = query_positions.shape[1], valid.shape[1]
+    distance = query_positions[:, :, None] - key_positions[:, None, :]  # (R, Q, K)
+    see = valid[:, None, :] & (distance >= 0)
+    if window is not None:
+        see &= distance < window
+    own = torch.arange(queries, device=valid.device)
+    see[:, own, keys - queries + own] = True
+    see = see[:, None]
+    if additive_dtype is None:
+        return see
+    return torch.where(see, torch.zeros((), dtype=additive_dtype, device=see.device),
+                       torch.finfo(additive_dtype).min)

@@ -1,0 +1,209 @@
+"""The batched engine's passes over the running rows: the target forward, prefilling new prompts (or the new tokens
+of a conversation continued on its parked cache), verifying a round's drafts and committing what was accepted, and
+the token choice of plain decoding (no drafter: every round verifies no drafts and emits one token per row).
+
+Nothing here decides what a round does; `speculative_engine.SpeculativeEngine` does, from values it reads on the host."""
+
+from __future__ import annotations
+
+import torch
+
+from ...models.identity import EAGLE3_DRAFTER_TYPE, drafter_type
+from ...models.layers import DraftContextCache
+from ...models.modeling_dspark import DSparkDraftModel
+from ...models.modeling_eagle3 import Eagle3DraftModel
+from .rows import BatchRows, to_device
+from ..round.drafting import Drafts, round_tokens
+from ..round.verification import verify_drafts
+from .eagle3 import project_queued
+from .requests import ParkedCache, Request
+from ..round.sampling import RowSampling
+from .checks import new_target_cache
+from .masks import target_attention_mask
+from ..transformers_internals import stack_layer_rows
+from ..round.sampling import sample
+
+def target_forward(target, rows: BatchRows, tokens, new_valid, positions, layer_indices, keep: int,
+                   feature_device=None):
+    """Append `tokens` (R, N) to the shared cache; returns (float logits of the last `keep` entries, the features of
+    `layer_indices` concatenated, None without layers: plain decoding)."""
+    mask = target_attention_mask(target, rows.target_valid, new_valid, positions)
+    kwargs = {"logits_to_keep": keep} if target._supports_logits_to_keep() else {}
+    out = target(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=rows.target_cache,
+                 use_cache=True, output_hidden_states=layer_indices or False, **kwargs)
+    if not layer_indices:
+        return out.logits[:, -keep:].float(), None
+    # With a device_map the layers' states live on their layers' devices; the drafter sits by the LM head.
+    features = torch.cat([out.hidden_states[i].to(feature_device) for i in layer_indices], dim=-1)
+    return out.logits[:, -keep:].float(), features
+
+
+def _empty_rows(request_ids: list[int], target_cache, num_rows: int, device) -> BatchRows:
+    """Rows with nothing cached yet and an empty drafter context."""
+    empty = torch.zeros(num_rows, 0, dtype=torch.bool, device=device)
+    zeros = torch.zeros(num_rows, dtype=torch.long, device=device)
+    return BatchRows(
+        request=to_device(request_ids, device), request_ids=list(request_ids), anchor=zeros,
+        target_cache=target_cache, target_valid=empty, target_length=zeros,
+        draft_cache=DraftContextCache(), draft_valid=empty, pending=torch.zeros(num_rows, 0, 0, device=device),
+        pending_valid=empty, pending_positions=empty.long(), pending_tokens=empty.long(),
+    )
+
+
+def left_padded(prompts: list[list[int]], device) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Prompts as one left-padded batch (ids, mask), built on the host and copied without waiting."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt):] = True
+    return input_ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
+
+
+def prefill(target, input_ids, prompt_mask, request_ids, layer_indices,
+            feature_device) -> tuple[BatchRows, torch.Tensor]:
+    """Run left-padded prompts through the target; return their rows' state (the anchor not set yet) and the float
+    logits at each prompt's last token (R, 1, V).
+
+    Positions count real tokens only, as `generate` does for left-padded prompts. Left padding becomes the first
+    holes of both caches."""
+    positions = (prompt_mask.long().cumsum(dim=-1) - 1).clamp_min(0)
+    rows = _empty_rows(request_ids, new_target_cache(target), input_ids.shape[0], input_ids.device)
+    logits, features = target_forward(target, rows, input_ids, prompt_mask, positions, layer_indices, keep=1,
+                                      feature_device=feature_device)
+    rows.target_valid, rows.target_length = prompt_mask, prompt_mask.long().sum(dim=1)
+    if features is not None:
+        # The token after each prompt entry; the last one's is the first token, not chosen yet (`next_tokens`).
+        rows.stage_context(features, prompt_mask, positions, input_ids.roll(-1, dims=1), width=prompt_mask.shape[1])
+    return rows, logits
+
+
+def prefill_resumed(target, parked: list[ParkedCache], new_tokens: list[list[int]], request_ids,
+                    device) -> tuple[BatchRows, torch.Tensor]:
+    """`prefill` for conversations continued on their parked caches: each row's parked entries (holes after the
+    shorter ones), then only its new tokens, left-padded, in one forward (plain decoding only)."""
+    num_rows = len(parked)
+    cache = new_target_cache(target)
+    for index, layer in enumerate(cache.layers):
+        stack_layer_rows(layer, [entries.layers[index] for entries in parked])
+    lengths = [len(entries.tokens) for entries in parked]
+    rows = _empty_rows(request_ids, cache, num_rows, device)
+    rows.target_length = to_device(lengths, device)
+    rows.target_valid = torch.arange(max(lengths), device=device)[None, :] < rows.target_length[:, None]
+    tokens, new_valid = left_padded(new_tokens, device)
+    positions = rows.target_length[:, None] + (new_valid.long().cumsum(dim=1) - 1).clamp_min(0)
+    logits, _ = target_forward(target, rows, tokens, new_valid, positions, (), keep=1)
+    rows.target_valid = torch.cat([rows.target_valid, new_valid], dim=1)
+    rows.target_length = rows.target_length + new_valid.long().sum(dim=1)
+    return rows, logits
+
+
+def project_context(drafter: DSparkDraftModel | Eagle3DraftModel, rows: BatchRows) -> None:
+    """Move the queued context into the drafter's cache now, with a one-slot pass whose output is discarded.
+
+    A context row's keys and values depend only on its target features and position, not on the block, so this
+    is what the next round would compute. Newcomers do it before joining: their prompt context then shares the
+    running rows' cache columns (the merged width is the larger of the two) instead of being appended after them.
+    An Eagle3 drafter keeps each row's newest entry queued (`eagle3.project_queued`).
+    """
+    if rows.pending.shape[1] == 0:
+        return
+    if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
+        return project_queued(drafter, rows)
+    block = rows.anchor.new_full((len(rows), 1), drafter.config.mask_token_id)
+    drafter(input_ids=block, target_hidden_states=rows.pending, position_ids=rows.target_length[:, None],
+            context_position_ids=rows.pending_positions, cache=rows.draft_cache)
+    rows.draft_valid = torch.cat([rows.draft_valid, rows.pending_valid], dim=1)
+    rows.take_context()
+
+
+def verify_round(target, rows: BatchRows, drafts: Drafts, width: int, layer_indices, sampling: RowSampling,
+                 generator, feature_device):
+    """Verify every row's anchor and drafts in one target forward of `width` entries per row (the longest row's
+    drafts + 1, read on the host). Returns (candidate tokens (R, width): accepted drafts then the target's token,
+    number accepted (R,), features, positions), all on the device."""
+    offsets = torch.arange(width, device=rows.anchor.device)
+    tokens = torch.cat([rows.anchor[:, None], drafts.tokens[:, : width - 1]], dim=1)
+    new_valid = offsets[None, :] < drafts.lengths[:, None] + 1
+    positions = rows.target_length[:, None] + offsets  # padded entries get the same arithmetic; they are masked
+    target_logits, features = target_forward(target, rows, tokens, new_valid, positions, layer_indices, keep=width,
+                                             feature_device=feature_device)
+    num_accepted, next_token, _ = verify_drafts(sampling, target_logits, drafts, generator)
+    new_tokens = round_tokens(drafts.tokens[:, : width - 1], num_accepted, next_token)
+    return new_tokens, num_accepted, features, positions
+
+
+def commit_round(rows: BatchRows, num_accepted: torch.LongTensor, accepted: list[int], width: int, features,
+                 positions, new_tokens: torch.LongTensor) -> None:
+    """The newest token and the accepted drafts become valid; rejected drafts and padding stay as holes, except
+    the trailing columns that no row kept: cropping those is a free slice and bounds the cache's growth. `accepted`
+    is `num_accepted` as read on the host; `new_tokens` (`verify_round`'s) holds the token after each kept entry."""
+    used = max(accepted) + 1
+    if used < width:
+        rows.target_cache.crop(-(width - used))
+    kept = torch.arange(used, device=rows.anchor.device)[None, :] < num_accepted[:, None] + 1
+    rows.target_valid = torch.cat([rows.target_valid, kept], dim=1)
+    rows.target_length = rows.target_length + num_accepted + 1
+    rows.stage_context(features, kept, positions, new_tokens, width=used)
+
+
+def plain_step(target, rows: BatchRows) -> torch.Tensor:
+    """Plain decoding's round: every row's anchor through the target (it becomes valid); returns the float logits
+    after it (R, V)."""
+    new_valid = rows.target_valid.new_ones(len(rows), 1)
+    logits, _ = target_forward(target, rows, rows.anchor[:, None], new_valid, rows.target_length[:, None], (), keep=1)
+    rows.target_valid = torch.cat([rows.target_valid, new_valid], dim=1)
+    rows.target_length = rows.target_length + 1
+    return logits[:, -1]
+
+
+class PlainChoice:
+    """Plain decoding's token choice for a set of rows: greedy rows take the argmax (their warpers are empty), sampled
+    rows go through their own warpers (`RowSampling` over those rows only) and draw from their request's generator
+    when it has one (so a request's sample does not depend on its neighbours), else from the engine's.
+
+    When every sampled row has a top-k, the warpers run on the k largest logits only (k the largest of the rows'):
+    a top-k leaves every other token probability 0, so the distribution is the same, without sorting and drawing
+    over the whole vocabulary for top-p and the sampler."""
+
+    def __init__(self, requests: list[Request], device):
+        self.sampled = [row for row, request in enumerate(requests) if request.sampling.do_sample]
+        self.index = to_device(self.sampled, device)
+        settings = [requests[row].sampling for row in self.sampled]
+        self.sampling = RowSampling(settings, device) if settings else None
+        self.top_k = max(s.top_k for s in settings) if settings and all(s.top_k for s in settings) else None
+        self.generators = [requests[row].generator for row in self.sampled]
+        shared = [position for position, generator in enumerate(self.generators) if generator is None]
+        self.shared = to_device(shared, device) if 0 < len(shared) < len(self.sampled) else None
+
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.LongTensor:
+        """(R, V) float logits -> (R,) tokens."""
+        tokens = logits.argmax(dim=-1)
+        if not self.sampled:
+            return tokens
+        scores, candidates = logits.index_select(0, self.index), None
+        if self.top_k is not None and self.top_k < scores.shape[-1]:
+            scores, candidates = scores.topk(self.top_k, dim=-1)
+        probs = self.sampling.process(scores).softmax(dim=-1)
+        if all(own is None for own in self.generators):
+            draws = sample(probs, generator)
+        else:
+            draws = torch.empty(len(self.sampled), dtype=torch.long, device=logits.device)
+            for position, own in enumerate(self.generators):
+                if own is not None:
+                    draws[position : position + 1] = sample(probs[position : position + 1], own)
+            if self.shared is not None:
+                draws[self.shared] = sample(probs.index_select(0, self.shared), generator)
+        if candidates is not None:
+            draws = candidates.gather(1, draws[:, None]).squeeze(1)
+        return tokens.index_copy_(0, self.index, draws)
+
+
+def read_lengths(drafts: Drafts) -> tuple[list[int], list[list[float]]]:
+    """The round's first read of the device: each row's verified length, with the confidences of those slots."""
+    if drafts.confidences is None:
+        return drafts.lengths.tolist(), [[] for _ in range(drafts.lengths.shape[0])]
+    values = torch.cat([drafts.lengths[:, None].to(drafts.confidences.dtype), drafts.confidences], dim=1).tolist()
+    lengths = [int(row[0]) for row in values]
+    return lengths, [row[1 : 1 + length] for row, length in zip(values, lengths)]

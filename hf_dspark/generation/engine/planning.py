@@ -1,0 +1,154 @@
+"""Round planning in the engine: what each running request proposes this round (the drafter's block, a suffix match
+over its own text, or nothing), priced by `scheduling.batch_planner.BatchRoundPlanner`, and what each round teaches
+the planner (per-request drafter acceptance, suffix acceptance, the measured cost of the round's passes).
+
+The engine asks `EngineRoundPlanning.plan` before drafting, drafts only the rows the plan gives the drafter (and runs
+the drafter only when some row drafts), lays each suffix row's proposal over the drafts (`with_suffix_drafts`), and
+reports the round's outcome to `record`. With `dspark_round_planning=False` every row drafts its whole budget every
+round (the drafter's block, never a suffix), as without a planner.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...scheduling.batch_planner import (DRAFTER, NO_DRAFT, SUFFIX, BatchRoundPlanner, RoundCosts, RowOptions,
+                                        RoundPlan, SlotAcceptance, expected_tokens)
+from ...scheduling.round_planner import SuffixAcceptance
+from .rows import to_device
+from ..round.drafting import Drafts, one_hot_probs
+from ..round.suffix import SuffixProposer
+
+# How many observations the batch's pooled drafter acceptance weighs in each request's own estimate, and the
+# pooled estimate's own prior (an even chance per slot, one observation: the drafter is tried early).
+_REQUEST_PRIOR_WEIGHT = 4.0
+_POOL_PRIOR, _POOL_PRIOR_WEIGHT = 0.5, 1.0
+
+
+class RequestProposals:
+    """One request's proposers: its suffix index over its text (prompt and output) and its drafter acceptance."""
+
+    def __init__(self, slots: int, suffix_acceptance: SuffixAcceptance | None):
+        self.suffix = SuffixProposer(suffix_acceptance) if suffix_acceptance is not None else None
+        self.acceptance = SlotAcceptance(slots)
+        self.seen = 0  # tokens of the request's text given to the suffix index
+        self.proposal: list[int] = []
+
+    def catch_up(self, tokens: list[int]) -> None:
+        if self.suffix is not None and len(tokens) > self.seen:
+            self.suffix.extend(tokens[self.seen :])
+            self.seen = len(tokens)
+
+
+class EngineRoundPlanning:
+    """The engine's planner: per request proposals, the batch's pooled drafter acceptance and the round costs."""
+
+    def __init__(self, slots: int, *, planning: bool, suffix_drafting: bool, cost_table=None, learn_costs: bool = True,
+                 suffix_acceptance: SuffixAcceptance | None = None, drafter: bool = True):
+        self.slots, self.planning = slots, planning
+        self.suffix_acceptance = (suffix_acceptance if suffix_acceptance is not None else SuffixAcceptance()) \
+            if planning and suffix_drafting else None
+        self.costs = RoundCosts(cost_table, learn_costs)
+        self.planner = BatchRoundPlanner(self.costs, drafter_allowed=drafter)
+        self.pool = SlotAcceptance(slots)
+        self.requests: dict[int, RequestProposals] = {}
+        self._started = 0.0
+        # A batch that returns when its last row is done (generate()): a row's tokens are worth its share of the
+        # work left, so a row ahead of the others, whose speed-up shortens nothing, is not drafted for at a loss.
+        self.finish_together = False
+
+    def forget(self, request_id: int) -> None:
+        self.requests.pop(request_id, None)
+
+    def _proposals(self, request_id: int) -> RequestProposals:
+        if request_id not in self.requests:
+            self.requests[request_id] = RequestProposals(self.slots, self.suffix_acceptance)
+        return self.requests[request_id]
+
+    def plan(self, request_ids: list[int], requests, budgets: list[int], drafter_possible: bool) -> RoundPlan:
+        """This round's plan (from earlier rounds and the rows' committed text only); starts the round's clock."""
+        self._started = time.perf_counter()
+        if not self.planning:
+            drafting = drafter_possible and max(budgets) > 0
+            return RoundPlan(drafting, [DRAFTER if drafting and b > 0 else NO_DRAFT for b in budgets],
+                             list(budgets) if drafting else [0] * len(budgets))
+        pooled = self.pool.pooled_rates(_POOL_PRIOR, _POOL_PRIOR_WEIGHT)
+        left = [request.max_new_tokens - request.emitted for request in requests]
+        weights = [n / max(left) for n in left] if self.finish_together else [1.0] * len(left)
+        options = []
+        for request_id, request, budget, weight in zip(request_ids, requests, budgets, weights):
+            own = self._proposals(request_id)
+            own.proposal, match = [], 0
+            if own.suffix is not None and budget > 0:
+                own.catch_up(request.tokens)
+                own.proposal, match = own.suffix.propose(budget)
+            suffix = [own.suffix.expected_tokens(match, m) for m in range(len(own.proposal) + 1)] \
+                if own.proposal else [1.0]
+            drafted = expected_tokens(own.acceptance.rates(pooled, _REQUEST_PRIOR_WEIGHT), budget)
+            options.append(RowOptions(budget, suffix, drafted, weight))
+        return self.planner.plan(options, drafter_possible)
+
+    def drafted(self) -> float:
+        """The drafter's pass is done (its outcome read on the host): returns the time, the verification's start."""
+        return time.perf_counter()
+
+    def record(self, plan: RoundPlan, request_ids: list[int], lengths: list[int], accepted: list[int],
+               width: int, verification_started: float) -> None:
+        """The round's outcome (host values): each drafter row's acceptance, the passes' costs."""
+        finished = time.perf_counter()
+        rows = len(request_ids)
+        if plan.use_drafter:
+            self.costs.record_draft(rows, verification_started - self._started)
+        self.costs.record_forward(rows, width, finished - verification_started)
+        for request_id, source, length, count in zip(request_ids, plan.sources, lengths, accepted):
+            if source == DRAFTER and length > 0:
+                self._proposals(request_id).acceptance.record(length, count)
+                self.pool.record(length, count)
+
+    def record_prefill(self, rows: int, width: int, seconds: float) -> None:
+        """The prefill of a new batch (rows x width tokens) took `seconds`: without a cost table, the first price of
+        wide forwards, so the first rounds need not try the widest one to learn what width costs."""
+        if self.costs.cost_table is None:
+            self.costs.record_forward(rows, width, seconds)
+
+    def suffix_rows(self, plan: RoundPlan, request_ids: list[int]) -> dict[int, list[int]]:
+        """Row -> the tokens its suffix proposal verifies this round."""
+        return {row: self.requests[request_id].proposal[: plan.lengths[row]]
+                for row, (request_id, source) in enumerate(zip(request_ids, plan.sources)) if source == SUFFIX}
+
+
+def with_suffix_drafts(drafts: Drafts, suffix_rows: dict[int, list[int]], num_rows: int, vocab_size: int,
+                       sampled: bool, device) -> Drafts:
+    """`drafts` with the suffix rows' proposals laid over them: their tokens, their lengths, and (when some row
+    samples) point-mass draft distributions, so rejection sampling accepts a token x with probability min(1, p(x)).
+    Built on the host and copied without waiting; nothing is read back."""
+    width = max(drafts.tokens.shape[1], max(len(tokens) for tokens in suffix_rows.values()))
+    host_tokens = torch.zeros(num_rows, width, dtype=torch.long)
+    host_lengths = torch.zeros(num_rows, dtype=torch.long)
+    is_suffix = torch.zeros(num_rows, dtype=torch.bool)
+    for row, tokens in suffix_rows.items():
+        host_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        host_lengths[row], is_suffix[row] = len(tokens), True
+    suffix_tokens = host_tokens.to(device, non_blocking=True)
+    is_suffix = is_suffix.to(device, non_blocking=True)
+    tokens = _padded(drafts.tokens, width, 1)
+    tokens = torch.where(is_suffix[:, None], suffix_tokens, tokens)
+    lengths = torch.where(is_suffix, host_lengths.to(device, non_blocking=True), drafts.lengths)
+    probs = None
+    if sampled:
+        vocab = drafts.probs.shape[-1] if drafts.probs is not None else vocab_size
+        base = drafts.probs if drafts.probs is not None else torch.zeros(num_rows, 0, vocab, device=device)
+        probs = torch.where(is_suffix[:, None, None], one_hot_probs(suffix_tokens, vocab), _padded(base, width, 1))
+    confidences = drafts.confidences
+    return Drafts(tokens, probs, lengths, confidences)
+
+
+def _padded(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)

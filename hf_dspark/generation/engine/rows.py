@@ -1,0 +1,193 @@
+"""The state of a running batch: every per-row tensor and both caches, with holes.
+
+Rows accept different numbers of drafts each round, so their sequences drift apart. Instead of cropping each row's
+cache separately, both caches keep **holes**: every round appends the same number of entries to every row (its
+newest token and drafts, padded to the longest row), and a per-row validity mask marks which entries are real.
+Rejected drafts and padding stay in the caches, masked out of every later attention. Positions are explicit per
+row (a row's next position is the number of its valid entries), so a hole never shifts a row's rotary phase.
+`BatchRows.select` keeps a subset of rows (requests that finished leave), `merge` appends newly admitted rows, each
+cache padded with holes to the wider of the two, and `drop_unused_columns` prunes columns no row uses. The target
+cache's layers are reached through `transformers_internals` only (a layer keeps its entries in a buffer with spare
+columns there, and each of these operations copies a layer once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ...models.layers import DraftContextCache
+from ..transformers_internals import layer_tensors, row_entries, select_layer_entries, stack_layer_rows
+
+
+def to_device(values: list[int], device, dtype=torch.long) -> torch.Tensor:
+    """Host ints as a tensor on `device`, copied without waiting for the device's queue."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _pad_to(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Pad `tensor` with zeros (False) at the end of `dim` up to `width` entries: holes."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+
+def _cat_rows(first: torch.Tensor, second: torch.Tensor, dim: int) -> torch.Tensor:
+    """Stack two row blocks along dim 0, padding the narrower one with holes along `dim`."""
+    width = max(first.shape[dim], second.shape[dim])
+    return torch.cat([_pad_to(first, width, dim), _pad_to(second, width, dim)], dim=0)
+
+
+def _columns(used: list[bool], device) -> torch.LongTensor | None:
+    """Indices of the columns some row uses (read on the host), or None when every column is used."""
+    return None if all(used) else to_device([i for i, u in enumerate(used) if u], device)
+
+
+def _layer(tensors: list, index: int):
+    return tensors[index] if index < len(tensors) else None
+
+
+def _merge_draft_layer(blocks: list, counts: tuple[int, int]) -> torch.Tensor | None:
+    """One drafter-cache layer of two row blocks. A block that has not drafted yet (just prefilled) has no context
+    rows there: it joins with zero columns, so every column is a hole for it."""
+    reference = next((b for b in blocks if b is not None), None)
+    if reference is None:
+        return None
+    empty = [reference.new_zeros(count, reference.shape[1], 0, reference.shape[3]) for count in counts]
+    first, second = (b if b is not None else e for b, e in zip(blocks, empty))
+    return _cat_rows(first, second, dim=2)
+
+
+@dataclass
+class BatchRows:
+    """Everything indexed by active row; `select` keeps a subset of rows, `merge` appends another block of rows."""
+
+    request: torch.LongTensor  # (R,) id of the request each row serves
+    request_ids: list[int]  # the same on the host
+    anchor: torch.LongTensor  # (R,) newest emitted token: not yet in the target cache
+    target_cache: DynamicCache
+    target_valid: torch.BoolTensor  # (R, W) real entries of the target cache
+    target_length: torch.LongTensor  # (R,) valid entries = position of the anchor
+    draft_cache: DraftContextCache
+    draft_valid: torch.BoolTensor  # (R, C) real rows of the drafter's context cache
+    pending: torch.Tensor  # (R, M, F) target features not yet given to the drafter
+    pending_valid: torch.BoolTensor  # (R, M)
+    pending_positions: torch.LongTensor  # (R, M)
+    # (R, M) the token after each queued entry (Eagle3's context rows pair a feature with it); a row's newest entry
+    # is followed by its anchor, which may be unknown when the entry is queued (see `next_tokens`)
+    pending_tokens: torch.LongTensor
+
+    _PER_ROW = ("request", "anchor", "target_valid", "target_length", "draft_valid", "pending", "pending_valid",
+                "pending_positions", "pending_tokens")
+
+    def __len__(self) -> int:
+        return self.request.shape[0]
+
+    def select(self, keep: list[int]) -> None:
+        """Keep the rows at host indices `keep` and drop the columns no kept row uses (one host read), the target
+        cache copied once for both."""
+        self.request_ids = [self.request_ids[i] for i in keep]
+        index = to_device(keep, self.anchor.device)
+        for name in self._PER_ROW:
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        cache = self.draft_cache
+        cache.keys = [None if k is None else k.index_select(0, index) for k in cache.keys]
+        cache.values = [None if v is None else v.index_select(0, index) for v in cache.values]
+        target_columns = self._drop_unused_columns()
+        for layer in self.target_cache.layers:
+            select_layer_entries(layer, index, target_columns)
+
+    def drop_unused_columns(self) -> None:
+        """Remove cache and queued-context columns that are holes in every remaining row (e.g. a retired long
+        prompt), so a continuously fed batch does not keep the widths of requests long gone."""
+        columns = self._drop_unused_columns()
+        if columns is not None:
+            for layer in self.target_cache.layers:
+                select_layer_entries(layer, None, columns)
+
+    def _drop_unused_columns(self) -> list[int] | None:
+        """`drop_unused_columns` but for the target cache's layers: returns the target columns to keep (None: all).
+        One host read for the three column families; the engine calls it when rows join or leave, which reads the
+        device anyway."""
+        families = (self.target_valid, self.draft_valid, self.pending_valid)
+        used = torch.cat([valid.any(dim=0) for valid in families]).tolist()
+        target_used, rest = used[: families[0].shape[1]], used[families[0].shape[1] :]
+        draft_used, pending_used = rest[: families[1].shape[1]], rest[families[1].shape[1] :]
+        target_columns = None if all(target_used) else [i for i, u in enumerate(target_used) if u]
+        if target_columns is not None:
+            self.target_valid = self.target_valid[:, to_device(target_columns, self.anchor.device)]
+        columns = _columns(draft_used, self.anchor.device)
+        if columns is not None:
+            self.draft_valid = self.draft_valid[:, columns]
+            cache = self.draft_cache
+            cache.keys = [None if k is None else k[:, :, columns] for k in cache.keys]
+            cache.values = [None if v is None else v[:, :, columns] for v in cache.values]
+        columns = _columns(pending_used, self.anchor.device)
+        if columns is not None:
+            self.pending, self.pending_valid = self.pending[:, columns], self.pending_valid[:, columns]
+            self.pending_positions = self.pending_positions[:, columns]
+            self.pending_tokens = self.pending_tokens[:, columns]
+        return target_columns
+
+    def merge(self, other: "BatchRows") -> None:
+        """Append `other`'s rows. Each column family (target cache, drafter cache, queued context) is padded with
+        holes at the end to the wider of the two blocks; a row's entries keep their order, which is all the causal
+        masks and the explicit positions need."""
+        counts = (len(self), len(other))
+        self.request_ids = self.request_ids + other.request_ids
+        for name in ("request", "anchor", "target_length"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        for name in ("target_valid", "draft_valid", "pending_valid", "pending_positions", "pending_tokens",
+                     "pending"):
+            setattr(self, name, _cat_rows(getattr(self, name), getattr(other, name), dim=1))
+        for mine, theirs in zip(self.target_cache.layers, other.target_cache.layers):
+            stack_layer_rows(mine, [layer_tensors(mine), layer_tensors(theirs)])
+        caches = (self.draft_cache, other.draft_cache)
+        layers = max(len(cache.keys) for cache in caches)
+        self.draft_cache.keys = [_merge_draft_layer([_layer(c.keys, i) for c in caches], counts) for i in range(layers)]
+        self.draft_cache.values = [_merge_draft_layer([_layer(c.values, i) for c in caches], counts)
+                                   for i in range(layers)]
+
+    def target_entries(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The row's valid target-cache entries, in order, as (1, heads, length, dim) tensors of every layer (one host
+        read): what a later turn of its conversation continues from."""
+        columns = self.target_valid[row].nonzero().flatten()
+        return row_entries(self.target_cache, row, columns)
+
+    def stage_context(self, features: torch.Tensor, valid: torch.BoolTensor, positions: torch.LongTensor,
+                      tokens: torch.LongTensor, width: int) -> None:
+        """Queue the target features of the entries that just became valid for the next backbone pass, after any
+        still queued (rounds that drafted nothing leave the drafter idle): the first `width` columns (the caller
+        knows how many some row uses, from values it has read), with `tokens`, the token after each entry. The
+        features are zeroed where invalid, so no stray value at a padded position (masked, but multiplied by a zero
+        attention weight) can turn into NaN inside attention."""
+        valid = valid[:, :width]
+        features = torch.where(valid[..., None], features[:, :width], 0.0)
+        positions, tokens = positions[:, :width], tokens[:, :width]
+        if self.pending.shape[1]:
+            features = torch.cat([self.pending, features], dim=1)
+            valid = torch.cat([self.pending_valid, valid], dim=1)
+            positions = torch.cat([self.pending_positions, positions], dim=1)
+            tokens = torch.cat([self.pending_tokens, tokens], dim=1)
+        self.pending, self.pending_valid, self.pending_positions = features, valid, positions
+        self.pending_tokens = tokens
+
+    def newest_entries(self) -> torch.BoolTensor:
+        """(R, M) the queued entry of each row right before its anchor. An Eagle3 drafter keeps one per row queued
+        (every round queues the entry of the anchor it verified; joining rows keep theirs, `engine.eagle3`)."""
+        return self.pending_valid & (self.pending_positions == self.target_length[:, None] - 1)
+
+    def next_tokens(self, newest: torch.BoolTensor) -> torch.LongTensor:
+        """(R, M) the token after each queued entry: the staged one, and for each row's newest entry its anchor
+        (a prompt's last entry is queued before its first token is chosen)."""
+        return torch.where(newest, self.anchor[:, None], self.pending_tokens)
+
+    def take_context(self) -> None:
+        """The queued context went into the drafter's cache: nothing is queued any more."""
+        self.pending, self.pending_valid = self.pending[:, :0], self.pending_valid[:, :0]
+        self.pending_positions, self.pending_tokens = self.pending_positions[:, :0], self.pending_tokens[:, :0]

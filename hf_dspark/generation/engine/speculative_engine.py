@@ -1,0 +1,438 @@
+"""Batched decoding: R requests decoded together, drafted and verified by a DSpark, DFlash or Eagle3 drafter, or,
+without a drafter, plain continuous batching (every round verifies no drafts: one target token per row per step).
+
+The rows' state (both caches with holes, explicit positions) is `rows.BatchRows`; the token choice per row
+is `sampling.RowSampling`; drafting is the one core of every batch size (`drafting.draft_block`) and the draft
+length the one rule (`DraftLengthRule`), as in the batch-1 loop. The passes over the rows are `passes`, the
+requests' bookkeeping `requests`, the round planning `planning`, transformers' cache internals
+`transformers_internals`.
+
+* Target: one `DynamicCache` of width W for all rows and a (R, W) validity mask, passed as the 2D attention mask
+  (transformers builds the causal 4D mask from it; the causal order is the cache order, which is each row's order).
+* Drafter: one `DraftContextCache` and a (R, C) validity mask over its context rows. Each round appends, per row,
+  the target features of the entries that became valid (the context before the next anchor), then runs the backbone
+  on `[anchor, MASK x (gamma-1)]` (valid context and the whole block visible) and the head slot by slot over rows.
+
+A round reads the device twice, whatever R: the verified lengths (and confidences), which fix the verification's
+width, and the accepted counts with the emitted tokens (each request's EOS and length limit are found on the host).
+Finishing requests add one read (the cache columns still used), a `"two_steps_ago"` `DSparkScheduler` another: four
+at most. A plain round reads once (the tokens), and once more when requests finish.
+
+A finished request (EOS or its `max_new_tokens`) is removed from every tensor and cache, so rounds only pay for the
+requests still running. Holes also make **continuous batching** cheap (`SpeculativeEngine`): a request that
+arrives while others run is prefilled alone (with the other newcomers), its prompt context projected into its own
+drafter cache, and its rows are appended to the running batch, each cache padded with holes to the wider of the
+two; cache columns that no remaining row uses are dropped then. Every request has its own sampling settings, EOS
+and length limit; rows with equal settings share one warper pass. The verification rule is `greedy_verify` /
+`rejection_sample`, the same as at batch size 1. In plain decoding a finished request's cache can be parked and a
+later request (the conversation's next turn) continued on it, prefilling only its new tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...models.modeling_dspark import DSparkDraftModel
+from ...scheduling.draft_length import DraftLengthRule
+from .rows import BatchRows, to_device
+from ..round.drafting import Drafts, draft_block, draft_input_block, emitted_drafts
+from ..round.verification import verify_drafts
+from ...scheduling.batch_planner import DRAFTER
+from .planning import EngineRoundPlanning, with_suffix_drafts
+from ..call.plan import DraftingPlan
+from .eagle3 import row_drafter_for
+from .checks import (check_drafter, check_left_padded, check_resume, check_target, checked_prompt,
+                            engine_plan)
+from .requests import (BatchedOutput, EngineGate, EngineSnapshot, ParkedCache, Request, emit, eos_ids,
+                              park_finished)
+from .passes import (PlainChoice, commit_round, left_padded, plain_step, prefill, prefill_resumed,
+                            project_context, read_lengths, verify_round)
+from ..round.sampling import RowSampling, SamplingParams
+from ..round.stats import SpeculativeStats
+
+__all__ = ["BatchedOutput", "ParkedCache", "SamplingParams", "SpeculativeEngine", "check_left_padded"]
+
+
+def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor, slots: int, rule: DraftLengthRule,
+           sampling: RowSampling, generator: torch.Generator | None) -> Drafts:
+    """One backbone pass for all rows (consuming the queued context), then the drafting core over `slots` slots
+    (`draft_block`, as at batch 1) and the draft-length rule on the device: each row verifies at most its
+    `budget`, and under a threshold or the scheduler fewer, decided from its confidences c_1..c_k alone."""
+    config = drafter.config
+    num_rows, width = rows.anchor.shape[0], config.block_size
+    device = rows.anchor.device
+    block = draft_input_block(rows.anchor, config)
+    context_valid = torch.cat([rows.draft_valid, rows.pending_valid], dim=1)
+    mask = torch.cat([context_valid[:, None, :].expand(-1, width, -1),
+                      context_valid.new_ones(num_rows, width, width)], dim=-1)[:, None]
+    # Positions count real tokens, so a cached column's is the number of real columns before it (block-causal and
+    # sliding-window drafter layers compare positions; holes are masked anyway).
+    out = drafter(input_ids=block, target_hidden_states=rows.pending,
+                  position_ids=rows.target_length[:, None] + torch.arange(width, device=device),
+                  context_position_ids=rows.pending_positions, attention_mask=mask, cache=rows.draft_cache,
+                  cached_position_ids=rows.draft_valid.long().cumsum(dim=1) - 1)
+    rows.draft_valid = context_valid  # the queued context is in the cache now; verification queues the next
+    rows.take_context()
+    tokens, probs, confidences = draft_block(drafter, out, rows.anchor, slots, sampling, generator)
+    return Drafts(tokens, probs, rule.lengths(confidences, budget), confidences)
+
+
+def _round_planning(drafter, plan: DraftingPlan | None, slots: int) -> EngineRoundPlanning | None:
+    """The engine's round planner, with the plan's settings."""
+    if drafter is None:
+        return None
+    settings = plan.settings
+    return EngineRoundPlanning(slots, planning=settings.round_planning, suffix_drafting=settings.suffix_drafting,
+                               cost_table=settings.cost_table, learn_costs=settings.learn_round_costs,
+                               suffix_acceptance=settings.state.statistics.suffix)
+
+
+class SpeculativeEngine:
+    """Continuous batching: requests join and leave a running batch between rounds.
+
+    ```python
+    engine = SpeculativeEngine(target, drafter)
+    first = engine.submit(prompt_ids, max_new_tokens=64)
+    engine.step()                                   # one round for every running request
+    second = engine.submit(other_ids, max_new_tokens=32, do_sample=True, temperature=0.7)
+    outputs = engine.run_until_done()               # {request_id: prompt + new tokens}
+    ```
+
+    A submitted request waits until the next `step()`, which first prefills every waiting prompt together (one
+    left-padded target forward) and appends their rows to the running batch, then runs one round for all rows.
+    Each request's output is distributed exactly as the target's own decoding of its prompt alone with its own
+    settings (greedy: the same tokens), whatever else shares the batch and whenever it joined.
+
+    Threads: one thread may step the engine while others `submit()` (never waiting for a step: the request joins
+    at the next step to start) and `cancel()` (waiting for the running step, then taking effect before any later
+    one, returning the tokens that step left). The engine casts its drafter in place (`attach_target(follow=True)`):
+    do not generate() with that drafter for a target of another dtype or device while the engine runs.
+
+    Args:
+        target: a decoder-only causal LM with full attention on every layer (sdpa or eager).
+        drafter: a `DSparkDraftModel` or `Eagle3DraftModel` trained for `target` (attached here), or None for plain
+            continuous batching (each round emits one target token per row; `policy` must stay "all").
+        policy, policy_arg: how many drafted slots each row verifies per round, as in
+            `batched_speculative_generate`. A stateful scheduler is `reset()` whenever the batch starts empty.
+        threshold_rule: what policy "threshold" compares: ``"cumulative"`` (c_1...c_j) or ``"per_slot"`` (c_j).
+        draft_length: slots drafted per round, 1..`drafter.config.num_draft_slots`. Unset, these three come from
+            the drafter's `generation_config`, resolved as `generate()` resolves them (`DraftingPlan`).
+        generator: random source for drafting and acceptance (sampled requests without a generator of their own).
+        keep_stats: keep every request's statistics in `stats` after its output is returned (a long-running
+            server would grow without bound; by default they leave with the output, see `returned_stats`).
+
+    Attributes:
+        stats: per request id, its `SpeculativeStats` (one entry per round it took part in), for the requests still
+            waiting or running (and, with `keep_stats`, every request since the engine started).
+        returned_stats: the `SpeculativeStats` of the requests whose outputs the latest `step()`, `cancel()` or
+            `run_until_done()` returned (replaced by the next such call).
+        verified_tokens_per_round: per round, sum over running requests of k_r + 1 (the verification batch B).
+    """
+
+    def __init__(self, target, drafter: DSparkDraftModel | None = None, policy: str | None = None, policy_arg=None, *,
+                 threshold_rule: str | None = None, draft_length: int | None = None,
+                 generator: torch.Generator | None = None, keep_stats: bool = False, plan: DraftingPlan | None = None):
+        self.plain = drafter is None
+        if self.plain:
+            if policy not in (None, "all") or draft_length is not None or plan is not None:
+                raise ValueError("an engine without a drafter verifies no drafts: leave policy, draft_length and "
+                                 "plan unset, or pass the drafter.")
+            check_target(target)
+            self.rule, self.gamma, self.layer_indices, self.feature_device = None, 0, (), None
+        else:
+            check_drafter(target, drafter)
+            # generate()'s call passes its plan down unchanged; an engine built directly makes one of its arguments.
+            plan = plan if plan is not None else engine_plan(drafter, policy, policy_arg, threshold_rule, draft_length)
+            self.rule = plan.length_rule()
+            self.gamma = self.rule.max_slots(plan.draft_length)
+            drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
+            self.layer_indices, self.feature_device = drafter.target_hidden_state_indices, drafter.device
+        self.target, self.drafter, self.plan = target, drafter, plan
+        self._draft_rows = row_drafter_for(drafter) or _draft  # this drafter kind's pass, for all rows at once
+        self.planning = _round_planning(drafter, plan, self.gamma)
+        self.policy, self.policy_arg = (plan.policy, plan.policy_arg) if plan is not None else ("all", None)
+        self.generator = generator
+        self.device = target.device
+        self._vocab_size = target.get_input_embeddings().weight.shape[0]
+        self._sampling: tuple[list[int], RowSampling] | None = None  # the current rows' settings, built once
+        self._plain_choice: tuple[list[int], PlainChoice] | None = None  # the same, for plain decoding
+        self.stats: dict[int, SpeculativeStats] = {}
+        self.keep_stats = keep_stats
+        self.returned_stats: dict[int, SpeculativeStats] = {}
+        self.verified_tokens_per_round: list[int] = []
+        self._requests: dict[int, Request] = {}
+        self._parked: dict[int, ParkedCache] = {}
+        self._waiting: list[int] = []
+        self._rows: BatchRows | None = None
+        self._gate = EngineGate()  # other threads' submissions and cancellations
+        self._reset_policy()
+
+    # -- public ---------------------------------------------------------------------------------------------------
+
+    def submit(self, input_ids: torch.LongTensor, max_new_tokens: int, *, do_sample: bool = False,
+               temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+               eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
+               resume: ParkedCache | None = None, keep_cache: bool = False) -> int:
+        """Queue one prompt (1D token ids, no padding) and return its request id. It joins at the next `step()`.
+        `eos_token_id` None falls back to the target's generation config, like `generate`.
+
+        Plain decoding (no drafter) also takes: `generator`, this request's own random source (its samples then do
+        not depend on what shares its rounds); `keep_cache`, park its cache when it finishes (`take_parked`);
+        `resume`, a parked cache this prompt continues (its tokens must start the prompt): only the rest is
+        prefilled.
+
+        Everything is checked here, before the request can share a round with others: integer token ids (a
+        float tensor is refused, not truncated), one non-empty 1D prompt, every id inside the target's vocabulary,
+        and the sampling settings. A refused request leaves the engine unchanged."""
+        tokens = checked_prompt(input_ids, self._vocab_size).tolist()
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}.")
+        if (generator is not None or keep_cache) and not self.plain:
+            raise ValueError("generator= and keep_cache= are options of plain decoding (drafter=None); with a "
+                             "drafter, sampled requests draw from the engine's generator.")
+        if keep_cache and max_new_tokens == 0:
+            raise ValueError("keep_cache=True needs max_new_tokens >= 1: a request that decodes nothing computes "
+                             "no cache to park.")
+        check_resume(tokens, resume, self.plain)
+        sampling = SamplingParams(bool(do_sample), float(temperature), float(top_p), int(top_k or 0))
+        request = Request(tokens, max_new_tokens, sampling, eos_ids(self.target, eos_token_id), generator, resume,
+                          keep_cache)
+        return self._gate.post(request, self._requests, self.stats)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._gate)
+
+    @property
+    def num_running(self) -> int:
+        return 0 if self._rows is None else len(self._rows)
+
+    def step(self) -> dict[int, torch.LongTensor]:
+        """Admit the waiting requests, then run one round for every running request. Returns the requests that
+        finished during this step (id -> prompt followed by its new tokens); each output is returned once.
+
+        A step that raises (out of memory, an interrupt, a request that breaks the model) leaves the engine as it
+        was before the step: waiting requests still wait, running ones keep their caches and tokens. Fix the
+        cause, or `cancel()` the offending request, and step again; every other request's output is unchanged.
+        (A stateful scheduler may have seen the failed round's confidences: that changes draft lengths only.)"""
+        with self._gate.exclusive():
+            return self._step()
+
+    def cancel(self, request_id: int) -> torch.LongTensor:
+        """Drop a waiting or running request; returns its tokens so far (prompt followed by any new tokens).
+        The other requests are unaffected. Called during a step (from another thread), it waits for that step."""
+        with self._gate.exclusive():
+            return self._cancel(request_id)
+
+    def run_until_done(self) -> dict[int, torch.LongTensor]:
+        """Step until no request is waiting or running; returns the outputs of the requests that finished during
+        this call (those returned by earlier `step()` calls are not repeated)."""
+        outputs: dict[int, torch.LongTensor] = {}
+        returned: dict[int, SpeculativeStats] = {}
+        while True:
+            with self._gate.exclusive():  # step by step: other threads' cancellations go in between
+                if not (self.num_waiting or self.num_running):
+                    self.returned_stats = returned
+                    return outputs
+                outputs.update(self._step())
+                returned.update(self.returned_stats)
+
+    def take_parked(self, request_id: int) -> ParkedCache:
+        """The parked cache of a finished `keep_cache=True` request, leaving the engine (pass it to `submit(...,
+        resume=)` for the conversation's next turn, or drop it)."""
+        with self._gate.exclusive():
+            if request_id not in self._parked:
+                raise KeyError(f"no parked cache for request {request_id}: submit it with keep_cache=True (plain "
+                               "decoding) and take its cache once, after its output was returned.")
+            return self._parked.pop(request_id)
+
+    # -- internals ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _step(self) -> dict[int, torch.LongTensor]:
+        """`step()`, with the engine held."""
+        self._gate.admit(self._waiting)
+        snapshot = EngineSnapshot.take(self._waiting, self._rows, self._requests, self._parked,
+                                       len(self.verified_tokens_per_round))
+        try:
+            finished = self._admit_waiting()
+            if self.num_running:
+                finished += self._plain_round() if self.plain else self._round()
+        except BaseException as error:
+            snapshot.undo(self, error)
+            raise
+        self.returned_stats = {}
+        return {request_id: self._pop_output(request_id) for request_id in finished}
+
+    def _cancel(self, request_id: int) -> torch.LongTensor:
+        self._gate.admit(self._waiting)
+        if request_id not in self._requests:
+            raise KeyError(f"no request {request_id} is waiting or running (finished ones were already returned).")
+        self.returned_stats = {}
+        if request_id in self._waiting:
+            self._waiting.remove(request_id)
+        elif self._rows is not None:
+            keep = [row for row, r in enumerate(self._rows.request_ids) if r != request_id]
+            if not keep:
+                self._rows = None
+            elif len(keep) < len(self._rows):
+                self._rows.select(keep)
+        return self._pop_output(request_id)
+
+    def _reset_policy(self) -> None:
+        if self.rule is not None:
+            self.rule.reset()
+
+    def _row_sampling(self, request_ids: list[int]) -> RowSampling:
+        if self._sampling is None or self._sampling[0] != request_ids:
+            self._sampling = (list(request_ids), RowSampling([self._requests[r].sampling for r in request_ids],
+                                                             self.device))
+        return self._sampling[1]
+
+    def _pop_output(self, request_id: int) -> torch.LongTensor:
+        """The request's tokens, leaving the engine; its statistics go with them (`returned_stats`)."""
+        request = self._requests.pop(request_id)
+        if self.planning is not None:
+            self.planning.forget(request_id)
+        self.returned_stats[request_id] = self.stats[request_id] if self.keep_stats else self.stats.pop(request_id)
+        return torch.tensor(request.tokens, dtype=torch.long, device=self.device)
+
+    def _admit_waiting(self) -> list[int]:
+        """Prefill the waiting prompts (those continuing a parked cache apart, on it) and append their rows to the
+        batch; returns those already done (no new tokens asked, or the first token ends them)."""
+        waiting, self._waiting = self._waiting, []
+        finished = [r for r in waiting if self._requests[r].max_new_tokens == 0]
+        starting = [r for r in waiting if self._requests[r].max_new_tokens > 0]
+        resumed = [r for r in starting if self._requests[r].resume is not None]
+        if resumed:
+            parked = [self._requests[r].resume for r in resumed]
+            new_tokens = [self._requests[r].tokens[len(p.tokens):] for r, p in zip(resumed, parked)]
+            for request_id in resumed:
+                self._requests[request_id].resume = None  # its entries are in the rows now
+            finished += self._join(resumed, *prefill_resumed(self.target, parked, new_tokens, resumed, self.device))
+        fresh = [r for r in starting if r not in resumed]
+        if fresh:
+            input_ids, mask = left_padded([self._requests[r].tokens for r in fresh], self.device)
+            starting_batch, started = not self.num_running, time.perf_counter()
+            rows, logits = prefill(self.target, input_ids, mask, fresh, self.layer_indices, self.feature_device)
+            finished += self._join(fresh, rows, logits)  # reads the first tokens: the prefill is done
+            if starting_batch and self.planning is not None:  # a first price of forwards many tokens wide
+                self.planning.record_prefill(*input_ids.shape, time.perf_counter() - started)
+        return finished
+
+    def _join(self, request_ids: list[int], rows: BatchRows, logits: torch.Tensor) -> list[int]:
+        """Pick the prefilled rows' first tokens and append the rows that go on to the batch; returns those done."""
+        if self.plain:
+            first_token = self._choose(request_ids, logits[:, -1])
+        else:
+            empty = Drafts.empty(len(request_ids), logits.device)
+            first_token = verify_drafts(self._row_sampling(request_ids), logits, empty, self.generator)[1]
+        done = emit([self._requests[r] for r in request_ids], [[t] for t in first_token.tolist()],
+                    [1] * len(request_ids))
+        rows.anchor = first_token
+        park_finished(rows, done, self._requests, self._parked)
+        if all(done):
+            return request_ids
+        if any(done):
+            rows.select([row for row, d in enumerate(done) if not d])
+        if self.num_running:
+            if not self.plain:
+                # Both blocks' queued context into their drafter caches first, so the newcomers' prompt columns
+                # line up with the running rows' instead of widening the cache after them.
+                project_context(self.drafter, rows)
+                project_context(self.drafter, self._rows)
+            self._rows.merge(rows)
+            self._rows.drop_unused_columns()  # columns of the newcomers' left padding
+        else:
+            self._rows = rows
+            self._reset_policy()  # a new batch: a stateful scheduler starts from its fallback
+        return [r for r, d in zip(request_ids, done) if d]
+
+    def _choose(self, request_ids: list[int], logits: torch.Tensor) -> torch.LongTensor:
+        """Plain decoding's tokens for these rows (the choice is built once per set of rows)."""
+        if self._plain_choice is None or self._plain_choice[0] != request_ids:
+            self._plain_choice = (list(request_ids), PlainChoice([self._requests[r] for r in request_ids], self.device))
+        return self._plain_choice[1].choose(logits, self.generator)
+
+    def _round(self) -> list[int]:
+        """One round for every running row, as the round planner decided from earlier rounds: some rows verify the
+        drafter's block, some a suffix match of their own text, the others only their anchor; a round without
+        drafter rows does not run the drafter. Retires and returns the requests it finished.
+
+        The device is read at most twice: the verified lengths (and confidences) when the drafter ran, then the
+        accepted counts and tokens."""
+        rows, request_ids = self._rows, self._rows.request_ids
+        requests = [self._requests[r] for r in request_ids]
+        sampling = self._row_sampling(request_ids)
+        # Every round emits at least one token, so a row drafts at most (tokens left - 1).
+        budgets = [max(0, min(self.gamma, q.max_new_tokens - q.emitted - 1)) for q in requests]
+        plan = self.planning.plan(request_ids, requests, budgets,
+                                  drafter_possible=max(budgets) > 0 and self.rule.needs_drafts())
+        drafts, lengths, confidences = self._proposals(plan, rows, sampling)
+        verification_started = self.planning.drafted()
+        width = max(lengths) + 1
+        new_tokens, num_accepted, features, positions = verify_round(
+            self.target, rows, drafts, width, self.layer_indices, sampling, self.generator, self.feature_device)
+        values = torch.cat([num_accepted[:, None], new_tokens], dim=1).tolist()  # the round's second read
+        accepted = [row[0] for row in values]
+        commit_round(rows, num_accepted, accepted, width, features, positions, new_tokens)
+        self.planning.record(plan, request_ids, lengths, accepted, width, verification_started)
+
+        self.verified_tokens_per_round.append(sum(lengths) + len(rows))
+        before = [request.emitted for request in requests]
+        done = emit(requests, [row[1:] for row in values], [count + 1 for count in accepted])
+        for request, source, length, count, start, slot_confidences in zip(
+                requests, plan.sources, lengths, accepted, before, confidences):
+            request.stats.record(length, emitted_drafts(count, request.emitted - start), slot_confidences, source)
+        # A row that goes on emitted all its tokens, the last being the target's: the next anchor.
+        return self._retire(done, lambda: new_tokens.gather(1, num_accepted[:, None]).squeeze(1))
+
+    def _proposals(self, plan, rows: BatchRows, sampling: RowSampling) -> tuple[Drafts, list[int], list]:
+        """The round's drafts as planned: the drafter's rows drafted (one pass for all rows, only when some row
+        drafts), the suffix rows' proposals laid over them. Returns (drafts, verified lengths on the host, per row
+        the confidences of its verified slots or None)."""
+        num_rows, device = len(rows), rows.anchor.device
+        if plan.use_drafter:
+            budgets = [length if source == DRAFTER else 0 for source, length in zip(plan.sources, plan.lengths)]
+            drafts = self._draft_rows(self.drafter, rows, to_device(budgets, device), max(budgets), self.rule,
+                                      sampling, self.generator)
+        else:  # the context stays queued for the drafter's next pass
+            drafts = Drafts.empty(num_rows, device)
+        suffix_rows = self.planning.suffix_rows(plan, rows.request_ids)
+        if suffix_rows:
+            drafts = with_suffix_drafts(drafts, suffix_rows, num_rows, self.drafter.config.vocab_size,
+                                        sampling.any_sampled, device)
+        if not plan.use_drafter:
+            return drafts, list(plan.lengths), [None] * num_rows
+        lengths, confidences = read_lengths(drafts)  # the round's first read
+        with_head = getattr(self.drafter, "confidence_proj", None) is not None
+        return drafts, lengths, [c if with_head and source == DRAFTER else None
+                                 for c, source in zip(confidences, plan.sources)]
+
+    def _plain_round(self) -> list[int]:
+        """Plain decoding: one target token per row, read once."""
+        rows = self._rows
+        request_ids = rows.request_ids
+        requests = [self._requests[r] for r in request_ids]
+        tokens = self._choose(request_ids, plain_step(self.target, rows))
+        self.verified_tokens_per_round.append(len(rows))
+        done = emit(requests, [[token] for token in tokens.tolist()], [1] * len(rows))
+        for request in requests:
+            request.stats.record(0, 0)
+        return self._retire(done, lambda: tokens)
+
+    def _retire(self, done: list[bool], next_anchor) -> list[int]:
+        """Park and remove the rows that finished (one more read, in the rounds where requests leave); the others
+        take `next_anchor()`. Returns the finished requests."""
+        rows = self._rows
+        finished = [r for r, d in zip(rows.request_ids, done) if d]
+        park_finished(rows, done, self._requests, self._parked)
+        if all(done):
+            self._rows = None
+            return finished
+        rows.anchor = next_anchor()
+        if finished:
+            rows.select([row for row, d in enumerate(done) if not d])
+        return finished

@@ -1,0 +1,111 @@
+"""The one drafting core of DSpark and DFlash drafters, for R rows at once (R = 1 in the batch-1 loop), and the one
+verification call of both loops.
+
+A round: the backbone's single pass gives every slot's hidden state and base logits; the sequential head then
+walks the gamma slots, each correcting its logits with the token drawn at the slot before, picking a token through
+the user's processors (`sampling`), and producing a confidence c_k. All slots are drafted, then
+`DraftLengthRule` (scheduling) decides on the device how many each row verifies, from c_1..c_k alone: lossless,
+and no slot waits for the host. Nothing here reads a tensor back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...models.modeling_dspark import DSparkDraftModel
+
+
+@dataclass
+class Drafts:
+    """A round's drafts for R rows.
+
+    tokens: (R, G) drafted tokens (slots past a row's length are never verified).
+    probs: (R, G, V) the processed distributions sampled rows drew them from (0 for greedy rows), or None when
+        no row samples.
+    lengths: (R,) slots each row verifies.
+    confidences: (R, G) conditional confidences c_k, or None without a confidence head.
+    length: at batch 1, `lengths[0]` as read on the host (the verification's size depends on it).
+    """
+
+    tokens: torch.LongTensor
+    probs: torch.Tensor | None
+    lengths: torch.LongTensor
+    confidences: torch.Tensor | None = None
+    length: int | None = None
+
+    @classmethod
+    def empty(cls, num_rows: int, device) -> "Drafts":
+        return cls(torch.zeros(num_rows, 0, dtype=torch.long, device=device), None,
+                   torch.zeros(num_rows, dtype=torch.long, device=device), length=0)
+
+
+def draft_input_block(anchor: torch.LongTensor, config) -> torch.LongTensor:
+    """The backbone's input for R rows: `[anchor, MASK x (block_size - 1)]`, (R, block_size)."""
+    masks = anchor.new_full((anchor.shape[0], config.block_size - 1), config.mask_token_id)
+    return torch.cat([anchor[:, None], masks], dim=1)
+
+
+def round_tokens(draft_tokens: torch.LongTensor, num_accepted: torch.LongTensor,
+                 next_token: torch.LongTensor) -> torch.LongTensor:
+    """A round's tokens per row (R, k + 1): its accepted drafts, then the target's token at `num_accepted` (the
+    positions after it are never emitted)."""
+    tokens = torch.cat([draft_tokens, next_token[:, None]], dim=1)
+    return tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
+
+
+def emitted_drafts(accepted: int, emitted: int) -> int:
+    """Drafts a round emitted: its accepted ones, unless the row stopped inside them (EOS, a length limit), when the
+    last emitted token stands for the target's own (drafts matched past the stop were never emitted; llama.cpp
+    counts alike)."""
+    return min(accepted, emitted - 1)
+
+
+def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTensor, slots: int, sampling,
+                generator: torch.Generator | None = None) -> tuple[torch.LongTensor, torch.Tensor | None,
+                                                                     torch.Tensor | None]:
+    """Draft `slots` tokens for every row after the backbone pass.
+
+    Args:
+        backbone_output: the drafter's output on `[anchor, MASK x (block_size - 1)]` (hidden states and base logits
+            of every block slot, (R, block_size, ...)).
+        anchor: (R,) the newest committed token of each row (x_{-1} for the sequential head).
+        slots: how many tokens to draft (at most gamma, `config.num_draft_slots`).
+        sampling: a `ProcessorSampling` or `RowSampling` (the processors and the token choice).
+
+    Returns:
+        (tokens (R, slots), probs (R, slots, V) or None, confidences (R, slots) or None).
+    """
+    # Draft k comes from block slot first + k: slot 0 itself, or slot 1 when slot j predicts anchor + j.
+    first = drafter.config.first_draft_slot
+    hidden, base_logits = backbone_output.last_hidden_state[:, first:], backbone_output.base_logits[:, first:]
+    head = drafter.sequential_head
+    state = head.initial_state(anchor.shape[0], hidden) if head is not None else None
+    tokens, probs, embeddings = [], [], []
+    previous = anchor = anchor.to(hidden.device)  # the drafter sits by the target's LM head (`attach_target`)
+    drafted = anchor[:, None][:, :0]
+    for slot in range(slots):
+        logits, embedding, state = drafter.slot_logits(hidden[:, slot], base_logits[:, slot], previous, state)
+        processed = sampling.process(drafter.to_target_vocab(logits.float()), drafted)
+        token, distribution = sampling.choose(processed, generator)
+        tokens.append(token)
+        if distribution is not None:
+            probs.append(distribution)
+        if embedding is not None:
+            embeddings.append(embedding)
+        previous = token
+        if slot + 1 < slots and not getattr(sampling, "context_free", True):
+            drafted = torch.stack(tokens, dim=1)  # only processors that read the context need it
+    if not tokens:
+        return anchor[:, None][:, :0], None, None
+    # Every slot's confidence in one call, now that every x_{k-1} is known (c_k never reads x_k).
+    confidences = drafter.slot_confidences(hidden[:, :slots], torch.stack(embeddings, dim=1) if embeddings else None)
+    return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, confidences
+
+
+def one_hot_probs(tokens: torch.LongTensor, vocab_size: int) -> torch.Tensor:
+    """(R, k) tokens proposed without a model (suffix matches) as point-mass draft distributions (R, k, V):
+    sampling then accepts token x with probability min(1, p(x))."""
+    probs = torch.zeros(*tokens.shape, vocab_size, device=tokens.device)
+    return probs.scatter_(-1, tokens[..., None], 1.0)
