@@ -198,9 +198,11 @@ def test_engine_joining_rows_with_planning_match_plain_greedy(monkeypatch, kind)
 
 
 @pytest.mark.slow  # a sampling-distribution test
-def test_planned_batched_sampling_matches_target_distribution(monkeypatch):
+@pytest.mark.parametrize("kind", ["markov", "dflash"])
+def test_planned_batched_sampling_matches_target_distribution(monkeypatch, kind):
+    """DSpark and DFlash drafters at R > 1 (Eagle3: test_batched_eagle3.py), rows planned three ways at once."""
     target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None, bos_token_id=None)
-    drafter = tiny_drafter(target, "markov", block_size=3, suffix_drafting=True)
+    drafter = tiny_drafter(target, kind, block_size=3, suffix_drafting=True)
     prompt = torch.tensor([[1, 4, 2, 1, 4]])  # "1 4" repeats: suffix proposals ("2 ...") from the first round
     temperature, top_p = 0.7, 0.9
     joint = exact_three_token_distribution(target, prompt, temperature, top_p)

@@ -160,6 +160,9 @@ def convert_drafter(source: str | Path, output: str | Path, layout: str | None =
     if isinstance(target, (str, Path)):
         target = load_target_model(target)
     drafter = load_drafter(source, None)
+    refused = getattr(drafter, "export_refusal", None)  # e.g. Kimi K3's MLA layers (models/modeling_dspark_mla.py)
+    if refused and layout in ("hf_dspark", "deepspec", "speculators"):
+        raise UserInputError(f"{source} cannot be written in {layout}'s layout: {refused}.")
     if target is not None:
         check_against_target(drafter, target, source, found)
     if layout == "hf_dspark":

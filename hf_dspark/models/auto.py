@@ -16,7 +16,11 @@ class AutoDrafter:
     * DeepSpec's `Qwen3DSparkModel` (vanilla / gated / rnn heads, with or without confidence head, DFlash) and
       `Qwen3Eagle3Model`;
     * `vllm-project/speculators`' (`speculators_model_type` `dspark`, `dflash`, `eagle3`);
-    * z-lab's `DFlashDraftModel`.
+    * z-lab's `DFlashDraftModel`;
+    * SpecForge / RadixArk `DSparkDraftModel` (also as rewritten for SGLang), LiquidAI's LFM2.5
+      `Lfm2DSparkDraftModel` (interleaved rotary included) and Kimi K3's `k3_dspark` (MLA layers);
+    * a target checkpoint carrying a DSpark module (DeepSeek-V4 `mtp.*`, Mistral Large 4 `mtp_dspark.*`): found
+      from its config and shard index, and refused with what building it would take.
 
     Other layouts are converted in memory (weights checked strictly; one log line names the layout found), and a
     checkpoint whose slot j predicts anchor + j (`sample_from_anchor: false`) keeps that convention.
@@ -47,7 +51,8 @@ class AutoDrafter:
                 f"{pretrained_model_name_or_path} holds no drafter layout hf_dspark reads (model_type "
                 f"{config.get('model_type')!r}, architectures {config.get('architectures')}). It reads hf_dspark's "
                 "own drafters, DeepSpec's Qwen3DSparkModel / Qwen3Eagle3Model, vllm-project/speculators' dspark / "
-                "dflash / eagle3 and z-lab's DFlashDraftModel; a target model goes to --target / the target side."
+                "dflash / eagle3, z-lab's DFlashDraftModel, SpecForge's DSparkDraftModel, LiquidAI's "
+                "Lfm2DSparkDraftModel and Kimi K3's k3_dspark; a target model goes to --target / the target side."
             )
         return load_layout(pretrained_model_name_or_path, config, module, **kwargs)
 

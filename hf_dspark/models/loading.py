@@ -213,7 +213,8 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None, device: str | torc
         raise UserInputError(
             f"{Path(path) / 'config.json'} has model_type {config.get('model_type')!r} and architectures "
             f"{config.get('architectures')}, so {path} is no drafter layout hf_dspark reads (its own, DeepSpec's, "
-            "vllm-project/speculators' or z-lab DFlash's); pass a drafter folder (a target folder goes to --target)."
+            "vllm-project/speculators', z-lab DFlash's, SpecForge's, LiquidAI's LFM2.5 or Kimi K3's DSpark); pass a "
+            "drafter folder (a target folder goes to --target)."
         )
     options = {} if dtype is None else {"dtype": dtype}
     # No safetensors_only here: every reader AutoDrafter dispatches to (our classes' from_pretrained, each format's

@@ -44,7 +44,8 @@ import torch
 from ..config_checks import integer
 from ..errors import DrafterLoadError
 from ..weight_files import read_checkpoint_tensors
-from . import qwen3_shell as shell
+from .qwen3_shell import (built, dspark_config, heads_settings, nested_settings, our_state, qwen3_config,
+                          setting)
 
 FORMAT = "lfm2_dspark"
 ARCHITECTURE = "Lfm2DSparkDraftModel"
@@ -67,8 +68,8 @@ def load(folder: Path, config: dict):
     if config.get("architectures") != [ARCHITECTURE]:
         raise DrafterLoadError(f"{source} lists architectures {config.get('architectures')}; LiquidAI's drafters "
                                f"name exactly [{ARCHITECTURE!r}].")
-    nested = shell.nested_settings(config, "dflash_config", DFLASH_CONFIG_KEYS, source, "LFM2.5 DSpark")
-    qwen3 = shell.qwen3_config(config, source, OWN_FIELDS, "LFM2.5 DSpark")
+    nested = nested_settings(config, "dflash_config", DFLASH_CONFIG_KEYS, source, "LFM2.5 DSpark")
+    qwen3 = qwen3_config(config, source, OWN_FIELDS, "LFM2.5 DSpark")
     neox = config.get("rope_is_neox_style", False)
     if not isinstance(neox, bool):
         raise DrafterLoadError(f"{source} has rope_is_neox_style={neox!r}; write true or false.")
@@ -78,13 +79,13 @@ def load(folder: Path, config: dict):
             "many recent rows in the drafter's cache, which hf_dspark's drafter (attending over the whole context) "
             "does not do; supporting it would take a context window in DraftContextCache. Set it to null.")
     fields, with_markov = _draft_fields(config, nested, source)
-    ours = shell.dspark_config(qwen3, source, **fields)
+    ours = dspark_config(qwen3, source, **fields)
     runtime = _runtime_drafts(config, nested, ours.num_draft_slots, source)
     weights = read_checkpoint_tensors(folder, "LFM2.5 DSpark drafter", FIX)
-    state = shell.our_state(weights, ours, with_markov)
+    state = our_state(weights, ours, with_markov)
     if not neox:
         state = interleaved_to_split_half(state, ours)
-    drafter = shell.built(folder, ours, state, "LFM2.5 DSpark drafter", FIX)
+    drafter = built(folder, ours, state, "LFM2.5 DSpark drafter", FIX)
     if runtime is not None:
         drafter.generation_config.num_assistant_tokens = runtime
     return drafter
@@ -95,10 +96,12 @@ def _draft_fields(config: dict, nested: dict, source: str) -> tuple[dict, bool]:
     head_type = config.get("markov_head_type", "vanilla")
     confidence = config.get("enable_confidence_head", False)
     with_markov = config.get("confidence_head_with_markov", True)  # vLLM's Lfm2DSparkForCausalLM default
-    markov_head, rank, confidence = shell.heads_settings(rank, head_type, confidence, with_markov and bool(rank),
-                                                         source)
-    block = shell.setting("block_size", nested, config, source)
-    depth = shell.setting("num_target_layers", nested, config, source, default=None)
+    if not isinstance(with_markov, bool):
+        raise DrafterLoadError(f"{source} has confidence_head_with_markov={with_markov!r}; write true or false.")
+    with_markov = with_markov and rank not in (0, None)  # the default reads W1 only when there is a Markov head
+    markov_head, rank, confidence = heads_settings(rank, head_type, confidence, with_markov, source)
+    block = setting("block_size", nested, config, source)
+    depth = setting("num_target_layers", nested, config, source, default=None)
     mask = nested.get("mask_token_id")
     layer_ids = nested.get("target_layer_ids")
     if isinstance(mask, bool) or not isinstance(mask, int) or layer_ids is None:
@@ -108,12 +111,12 @@ def _draft_fields(config: dict, nested: dict, source: str) -> tuple[dict, bool]:
     fields = {"block_size": block, "sample_from_anchor": True, "mask_token_id": mask, "target_layer_ids": layer_ids,
               "target_num_hidden_layers": depth, "markov_head": markov_head, "markov_rank": rank,
               "confidence_head": confidence}
-    return fields, with_markov and bool(rank)
+    return fields, with_markov
 
 
 def _runtime_drafts(config: dict, nested: dict, slots: int, source: str) -> int | None:
     """`runtime_block_size` (verification rows: the anchor and the drafts) as drafts per round, at most `slots`."""
-    width = shell.setting("runtime_block_size", nested, config, source, default=None)
+    width = setting("runtime_block_size", nested, config, source, default=None)
     if width is None:
         return None
     problem = integer(2)(width)

@@ -17,7 +17,8 @@ files are identical in the `specforge-0.2.0` wheel):
   k predicts the token at anchor + k + 1, DeepSpec's convention) and the DSpark forward (previous tokens
   `[anchor, labels[:-1]]` for the heads). Its `spec_generate`, inherited from DFlash, reads slots 1..B-1 instead;
   hf_dspark follows the training objective and SGLang, which serves these exports as DeepSpec's layout;
-* `configs/qwen3-8b-dspark.json`, `configs/kimi-k3-dspark.json`, `configs/qwen3.6-27b-dspark.json` (`target_hidden_size`);
+* `configs/qwen3-8b-dspark.json`, `configs/kimi-k3-dspark.json`, `configs/qwen3.6-27b-dspark.json`
+  (`target_hidden_size`); `specforge/modeling/auto.py` (`AutoDraftModelConfig.from_file` writes `draft_vocab_size`);
 * `scripts/gates/normalize_dflash_export.py`: an export rewritten for SGLang names `Qwen3DSparkModel` and copies
   `markov_rank`, `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov` to the top level (read
   here too; a copy must agree with `dflash_config`); sgl-project/sglang
@@ -34,7 +35,8 @@ from pathlib import Path
 from ..config_checks import is_finite_number
 from ..errors import DrafterLoadError
 from ..weight_files import read_checkpoint_tensors
-from . import qwen3_shell as shell
+from .qwen3_shell import (built, dspark_config, heads_settings, nested_settings, our_state, qwen3_config,
+                          setting)
 from .zlab_dflash import zlab_default_layer_ids
 
 FORMAT = "specforge"
@@ -44,7 +46,8 @@ DFLASH_CONFIG_KEYS = ("attention_mode", "confidence_head_alpha", "confidence_hea
                       "enable_confidence_head", "markov_head_type", "markov_rank", "mask_token_id", "projector_type",
                       "target_layer_ids", "pure_draft_prefix_len", "shift_label")
 HEAD_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
-OWN_FIELDS = ("block_size", "dflash_config", "num_target_layers", "target_hidden_size", *HEAD_FIELDS)
+OWN_FIELDS = ("block_size", "dflash_config", "num_target_layers", "target_hidden_size", "draft_vocab_size",
+              *HEAD_FIELDS)
 OLD_HEAD_PREFIXES = ("logit_head.markov_head.", "logit_head.confidence_head.")  # normalize_draft_head_checkpoint_keys
 FIX = "Restore the folder (config.json and model.safetensors) as SpecForge's `specforge export --to hf` wrote it."
 
@@ -64,19 +67,19 @@ def load(folder: Path, config: dict):
     """The drafter in `folder` (config.json read as `config`), float32, eval mode, every stored tensor used."""
     folder = Path(folder)
     source = str(folder / "config.json")
-    nested = shell.nested_settings(config, "dflash_config", DFLASH_CONFIG_KEYS, source, "SpecForge DSpark")
-    qwen3 = shell.qwen3_config(config, source, OWN_FIELDS, "SpecForge DSpark")
+    nested = nested_settings(config, "dflash_config", DFLASH_CONFIG_KEYS, source, "SpecForge DSpark")
+    qwen3 = qwen3_config(config, source, OWN_FIELDS, "SpecForge DSpark")
     _refuse_unsupported(config, nested, qwen3, source)
     fields = _draft_fields(config, nested, qwen3, source)
-    with_markov = shell.setting("confidence_head_with_markov", nested, config, source, default=False)
-    ours = shell.dspark_config(qwen3, source, **fields)
+    with_markov = setting("confidence_head_with_markov", nested, config, source, default=False)
+    ours = dspark_config(qwen3, source, **fields)
     weights = read_checkpoint_tensors(folder, "SpecForge DSpark drafter", FIX)
     renamed = {name: name.removeprefix("logit_head.") for name in weights if name.startswith(OLD_HEAD_PREFIXES)}
     if len(set(renamed.values()) | (set(weights) - set(renamed))) != len(weights):
         raise DrafterLoadError(f"the weights beside {source} hold a head twice (`logit_head.*` and its current "
                                f"name: {sorted(renamed)}); keep one, as SpecForge's loader does.")
-    state = shell.our_state(weights, ours, with_markov, renamed)
-    return shell.built(folder, ours, state, "SpecForge DSpark drafter", FIX)
+    state = our_state(weights, ours, with_markov, renamed)
+    return built(folder, ours, state, "SpecForge DSpark drafter", FIX)
 
 
 def _refuse_unsupported(config: dict, nested: dict, qwen3, source: str) -> None:
@@ -100,6 +103,11 @@ def _refuse_unsupported(config: dict, nested: dict, qwen3, source: str) -> None:
     if not is_finite_number(alpha) or alpha < 0:
         raise DrafterLoadError(f"{source} has dflash_config.confidence_head_alpha={alpha!r}; SpecForge needs a "
                                "non-negative number (the confidence loss weight).")
+    draft_vocab = config.get("draft_vocab_size")  # AutoDraftModelConfig.from_file writes vocab_size when unset
+    if draft_vocab is not None and draft_vocab != qwen3.vocab_size:
+        raise DrafterLoadError(f"{source} has draft_vocab_size={draft_vocab!r} below vocab_size={qwen3.vocab_size}: "
+                               "SpecForge's DSpark drafts over the whole vocabulary (no d2t), so this is not one of "
+                               "its exports.")
     width = config.get("target_hidden_size")
     if width is not None and width != qwen3.hidden_size:
         raise DrafterLoadError(f"{source} has target_hidden_size={width!r}, not the drafter's hidden_size "
@@ -110,11 +118,11 @@ def _refuse_unsupported(config: dict, nested: dict, qwen3, source: str) -> None:
 def _draft_fields(config: dict, nested: dict, qwen3, source: str) -> dict:
     """Our DSparkDraftConfig's draft settings, read as SpecForge reads them."""
     alpha = nested.get("confidence_head_alpha", 0.0) or 0.0
-    rank = shell.setting("markov_rank", nested, config, source, default=0)
-    head_type = shell.setting("markov_head_type", nested, config, source, default="vanilla")
-    confidence = shell.setting("enable_confidence_head", nested, config, source, default=alpha > 0)
-    with_markov = shell.setting("confidence_head_with_markov", nested, config, source, default=False)
-    markov_head, rank, confidence = shell.heads_settings(rank, head_type, confidence, with_markov, source)
+    rank = setting("markov_rank", nested, config, source, default=0)
+    head_type = setting("markov_head_type", nested, config, source, default="vanilla")
+    confidence = setting("enable_confidence_head", nested, config, source, default=alpha > 0)
+    with_markov = setting("confidence_head_with_markov", nested, config, source, default=False)
+    markov_head, rank, confidence = heads_settings(rank, head_type, confidence, with_markov, source)
     if "block_size" not in config:
         raise DrafterLoadError(f"{source} lacks block_size, which SpecForge's DFlashDraftModel reads from the top "
                                "level; write the block size the drafter was trained with.")

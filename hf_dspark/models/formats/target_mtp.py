@@ -1,9 +1,9 @@
 """DSpark drafter modules shipped inside a target model's own checkpoint, found by
 `hf_dspark.AutoDrafter.from_pretrained(target_folder_or_repo)`: DeepSeek-V4 (`mtp.<stage>.*`) and Mistral Large 4
 (`mtp_dspark.*`). Only the target's config.json and its `model.safetensors.index.json` are read (from the Hub: only
-those two files are fetched), then the headers of the shards the index names for the module's tensors, never
-another shard and never a tensor's data. Neither module is built by hf_dspark's drafter layers, so both are refused
-before any module exists, with what supporting them would take.
+those two files are fetched): the index names the module's tensors and their shards, and no shard is opened (a
+target without an index: the header of its one `model.safetensors`). Neither module is built by hf_dspark's
+drafter layers, so both are refused before any module exists, with what supporting them would take.
 
 DeepSeek-V4-Flash-0731 / V4-Pro-0813 (and the -DSpark releases). Sources (read, not copied): the 0731 index and
 config as kvcache-ai/ktransformers#2118 and vllm-project/vllm#41834 quote them (`mtp.0`, `mtp.1`, `mtp.2`,
@@ -77,9 +77,10 @@ def load(folder: Path, config: dict):
     _refuse_deepseek_v4(folder, config, source)
 
 
-def module_headers(folder: Path, prefix: str, what: str) -> tuple[dict, list[str], int]:
-    """(header of every tensor whose name starts with `prefix`, the shard names holding them, the checkpoint's
-    shard count), opening only those shards' headers: the index names them, or the one `model.safetensors`."""
+def module_tensors(folder: Path, prefix: str, what: str) -> tuple[list[str], list[str], int]:
+    """(the names of the tensors starting with `prefix`, the shards holding them, the checkpoint's shard count),
+    from the index alone (no shard is opened; from the Hub, no shard is fetched), or from the one
+    `model.safetensors`'s header when there is no index."""
     weight_map = indexed_weight_map(folder, what)
     if weight_map is None:
         single = folder / SAFE_WEIGHTS_NAME
@@ -87,9 +88,9 @@ def module_headers(folder: Path, prefix: str, what: str) -> tuple[dict, list[str
             raise DrafterLoadError(f"{folder} has neither model.safetensors.index.json nor model.safetensors; "
                                    "hf_dspark reads a target's drafter module from safetensors only.")
         weight_map = {name: single for name in stored_tensor_headers([str(single)])}
-    shards = sorted({str(path) for name, path in weight_map.items() if name.startswith(prefix)})
-    headers = {name: tensor for name, tensor in stored_tensor_headers(shards).items() if name.startswith(prefix)}
-    return headers, [Path(shard).name for shard in shards], len({str(path) for path in weight_map.values()})
+    names = sorted(name for name in weight_map if name.startswith(prefix))
+    shards = sorted({weight_map[name].name for name in names})
+    return names, shards, len({str(path) for path in weight_map.values()})
 
 
 def _refuse_deepseek_v4(folder: Path, config: dict, source: str) -> None:
@@ -106,22 +107,22 @@ def _refuse_deepseek_v4(folder: Path, config: dict, source: str) -> None:
         problem = rule(config[name])
         if problem:
             raise refusal(source, name, config[name], problem, fix)
-    headers, shards, total = module_headers(folder, "mtp.", "DeepSeek-V4 target")
-    if not headers:
+    names, shards, total = module_tensors(folder, "mtp.", "DeepSeek-V4 target")
+    if not names:
         raise DrafterLoadError(f"{source} has dspark_* fields but the checkpoint holds no `mtp.*` tensors: this copy "
                                "of the target lacks its DSpark module (download the release that ships it).")
-    stages = sorted({int(found.group(1)) for name in headers if (found := _STAGE.match(name))})
+    stages = sorted({int(found.group(1)) for name in names if (found := _STAGE.match(name))})
     last = f"mtp.{stages[-1]}." if stages else "mtp."
     heads = [name for name in (f"{last}markov_head.markov_w1.weight", f"{last}confidence_head.proj.weight")
-             if name in headers]
-    found = [(what, takes) for fragment, what, takes in _V4_FEATURES if any(fragment in name for name in headers)]
+             if name in names]
+    found = [(what, takes) for fragment, what, takes in _V4_FEATURES if any(fragment in name for name in names)]
     settings = {name: config[name] for name in ("dspark_block_size", "dspark_target_layer_ids", "dspark_markov_rank")
                 if name in config}
     raise DrafterLoadError(
-        f"{folder} is a DeepSeek-V4 target whose checkpoint carries a DSpark module ({len(headers)} `mtp.*` tensors "
-        f"in {len(shards)} of its {total} shard(s), stages {stages}, heads {heads}, {settings}); only those shards' "
-        "headers were read. Its stages are DeepSeek-V4 blocks, which hf_dspark's drafter layers (grouped-query "
-        "attention and a dense SwiGLU MLP, with the target context injected as keys and values) do not compute: "
+        f"{folder} is a DeepSeek-V4 target whose checkpoint carries a DSpark module ({len(names)} `mtp.*` tensors "
+        f"in {len(shards)} of its {total} shard(s), stages {stages}, heads {heads}, {settings}; no shard was read). "
+        "Its stages are DeepSeek-V4 blocks, which hf_dspark's drafter layers (grouped-query attention and a dense "
+        "SwiGLU MLP, with the target context injected as keys and values) do not compute: "
         f"{'; '.join(what for what, _ in found) or 'DeepSeek-V4 blocks'}. transformers 5.25's DeepseekV4DecoderLayer "
         "computes such a block but takes no injected context keys/values, and DeepseekV4ForCausalLM drops `mtp.*` "
         "when it loads the target. Supporting it would take a drafter layer built on DeepseekV4DecoderLayer with "
@@ -130,15 +131,15 @@ def _refuse_deepseek_v4(folder: Path, config: dict, source: str) -> None:
 
 
 def _refuse_mistral_large4(folder: Path, source: str) -> None:
-    headers, shards, total = module_headers(folder, "mtp_dspark.", "Mistral Large 4 target")
-    if not headers:
+    names, shards, total = module_tensors(folder, "mtp_dspark.", "Mistral Large 4 target")
+    if not names:
         raise DrafterLoadError(f"{folder} is a Mistral Large 4 target without a DSpark module (no `mtp_dspark.*` "
                                "tensors in its checkpoint), so it holds no drafter; pass it as the target.")
-    sample = sorted(headers)[:4]
+    sample = names[:4]
     raise DrafterLoadError(
-        f"{folder} is a Mistral Large 4 target whose checkpoint carries a DSpark module ({len(headers)} "
-        f"`mtp_dspark.*` tensors in {len(shards)} of its {total} shard(s), e.g. {sample}); only those shards' headers "
-        "were read. No published config field or converter describes that module (its block size, mask token, target "
+        f"{folder} is a Mistral Large 4 target whose checkpoint carries a DSpark module ({len(names)} "
+        f"`mtp_dspark.*` tensors in {len(shards)} of its {total} shard(s), e.g. {sample}; no shard was read). "
+        "No published config field or converter describes that module (its block size, mask token, target "
         "layers, Markov rank), and transformers 5.25 drops `mtp_dspark.*` when it loads the target (a TODO in "
         "modeling_mistral_large4), so hf_dspark cannot tell what it computes and refuses it. Mistral Large 4's "
         "blocks are multi-head latent attention (kv_lora_rank) with a DSA indexer and routed experts, which "
@@ -146,4 +147,4 @@ def _refuse_mistral_large4(folder: Path, source: str) -> None:
         "drafter layer built on transformers' MistralLarge4 text decoder layer with context keys/values injected.")
 
 
-__all__ = ["FORMAT", "SNAPSHOT_PATTERNS", "load", "matches", "module_headers"]
+__all__ = ["FORMAT", "SNAPSHOT_PATTERNS", "load", "matches", "module_tensors"]

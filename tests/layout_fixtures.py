@@ -1,0 +1,83 @@
+"""Shared by the tests of the layouts published since DeepSpec (SpecForge, LFM2.5, Kimi K3, target modules): tiny
+checkpoints written with the publishers' field and tensor names, a target whose next token a Markov head can
+predict (so that decoding accepts drafts), and the greedy-identity check."""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from conftest import tiny_target
+
+
+def write_checkpoint(folder: Path, config: dict, tensors: dict) -> Path:
+    """config.json and model.safetensors, as the publishers' save_pretrained writes them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def random_tensors(shapes: dict, seed: int) -> dict:
+    """Seeded weights of unit-scale activations: 1-d `*norm*` weights near 1, biases small, matrices 1/sqrt(fan-in)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=generator)
+        if len(shape) == 1 and "norm" in name:
+            tensors[name] = 1 + 0.2 * noise
+        elif name.endswith("bias"):
+            tensors[name] = 0.1 * noise
+        elif "markov_w1" in name or "embed" in name:
+            tensors[name] = noise
+        else:
+            tensors[name] = noise / math.sqrt(shape[-1])
+    return tensors
+
+
+def bigram_target(vocab: int, hidden: int, layers: int, seed: int = 0, **overrides):
+    """A tiny Qwen3 target whose layers barely change its input (attention and MLP outputs scaled down), so its next
+    token is nearly a function of the current one; every logit still depends on the context."""
+    target = tiny_target("qwen3", vocab_size=vocab, seed=seed, hidden_size=hidden, num_hidden_layers=layers,
+                         **overrides)
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.mul_(0.02)
+    return target
+
+
+def agreeing_markov_head(target, scale: float = 60.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W1, W2) of a rank-vocab vanilla Markov head whose bias after token x is the target's bigram logits after x,
+    shifted so their best token gets 0 and scaled: a drafter with it drafts the target's likely next token."""
+    final_norm = getattr(target.model, "norm", None) or target.model.embedding_norm  # LFM2 names it so
+    with torch.no_grad():
+        embeddings = target.get_input_embeddings().weight
+        bigram = target.lm_head(final_norm(embeddings))  # (vocab, vocab): logits after each token
+        bias = scale * (bigram - bigram.max(dim=-1, keepdim=True).values) / bigram.std()
+    vocab = embeddings.shape[0]
+    return torch.eye(vocab), bias.T.contiguous()  # markov_w1 (vocab, rank=vocab), markov_w2 (vocab, rank)
+
+
+def assert_greedy_identical(target, drafter, prompts, max_new_tokens: int = 24) -> int:
+    """`generate(assistant_model=drafter)` greedy equals plain greedy for each prompt; the drafts accepted in all."""
+    accepted = 0
+    for ids in prompts:
+        expected = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
+        got = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=max_new_tokens)
+        assert torch.equal(got, expected), (ids, got, expected)
+        accepted += sum(drafter.last_generation_stats.accepted)
+    return accepted
+
+
+def assert_batch_greedy_identical(target, drafter, vocab: int, max_new_tokens: int = 16) -> None:
+    """The same for two left-padded prompts in one call (the batched engine)."""
+    ids = torch.randint(6, vocab, (2, 7), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
+    got = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
+                          max_new_tokens=max_new_tokens)
+    assert torch.equal(got, expected), (got, expected)
