@@ -1,9 +1,10 @@
-"""Tiny randomly initialised targets of three families and drafters for them (float32 for exact identity), and the
-devices the lossless tests run on."""
+"""Tiny randomly initialised targets of three families (and two hybrid ones) and drafters for them (float32 for exact
+identity), and the devices the lossless tests run on."""
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Lfm2Config, Lfm2ForCausalLM,
+                          Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM)
 
 import hf_dspark
 
@@ -38,6 +39,16 @@ def tiny_target(family: str, vocab_size: int = VOCAB, seed: int = 0, **overrides
             **common,
         )
         model = Gemma3ForCausalLM(config)
+    elif family == "qwen3_5":  # hybrid: gated DeltaNet (recurrent + convolution state) and full attention layers
+        config = Qwen3_5TextConfig(
+            head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4, **common,
+        )
+        model = Qwen3_5ForCausalLM(config)
+    elif family == "lfm2":  # hybrid: short convolutions (convolution state) and full attention layers
+        model = Lfm2ForCausalLM(Lfm2Config(layer_types=["conv", "full_attention", "conv", "full_attention"],
+                                           conv_L_cache=3, **common))
     else:
         raise ValueError(family)
     return model.eval()

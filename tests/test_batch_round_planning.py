@@ -24,10 +24,11 @@ MAX_NEW = 16
 def cpu_like_costs(rows_widths=((2, 1), (2, 5), (3, 1), (3, 5))) -> RoundCosts:
     """Measured costs of a machine where each token a row verifies beyond its first adds 40% (a CPU)."""
     costs = RoundCosts()
-    for rows, width in rows_widths:
-        costs.record_forward(rows, width, rows * (0.01 + 0.004 * (width - 1)))
-    costs.record_draft(2, 0.005)
-    costs.record_draft(3, 0.006)
+    for _ in range(2):  # a shape's first run is a warm-up, not counted
+        for rows, width in rows_widths:
+            costs.record_forward(rows, width, rows * (0.01 + 0.004 * (width - 1)))
+        costs.record_draft(2, 0.005)
+        costs.record_draft(3, 0.006)
     return costs
 
 
@@ -36,25 +37,55 @@ def cpu_like_costs(rows_widths=((2, 1), (2, 5), (3, 1), (3, 5))) -> RoundCosts:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_unmeasured_shapes_are_priced_from_measured_ones():
+def test_round_costs_are_a_plain_step_and_ratios_to_it():
     costs = RoundCosts()
-    assert costs.forward_seconds(4, 3) == 1.0 and costs.draft_seconds(4) == 0.0  # nothing known: a flat machine
+    assert not costs.knows_plain() and not costs.knows_slope()
+    costs.record_forward(2, 1, 5.0)  # a shape's first run warms caches: not counted
+    assert not costs.knows_plain()
     costs.record_forward(2, 4, 0.8)
-    costs.record_forward(4, 4, 1.6)
-    assert costs.forward_seconds(2, 4) == 0.8  # measured
-    assert costs.forward_seconds(3, 4) == pytest.approx(1.2)  # between: linear in tokens
-    assert costs.forward_seconds(2, 1) == pytest.approx(0.2)  # below the smallest: proportional (optimistic)
-    assert costs.forward_seconds(8, 4) == 1.6  # above the largest: flat (optimistic: tried once, then known)
-    costs.record_forward(2, 4, 100.0)  # a burst of other load moves the estimate at most to twice it, smoothed
-    assert 0.8 < costs.forward_seconds(2, 4) < 1.6
+    costs.record_forward(2, 4, 0.8)  # nothing to relate a wide forward to yet: not learnt from
+    assert costs.slope is None
+    costs.record_forward(2, 1, 0.2)
+    costs.record_forward(4, 1, 0.3)
+    costs.record_forward(4, 1, 0.3)
+    assert costs.knows_plain() and costs.forward_seconds(2, 1) == 0.2
+    assert costs.forward_seconds(3, 1) == pytest.approx(0.25)  # between row counts: linear
+    assert costs.forward_seconds(8, 1) == 0.3  # beyond: flat
+    assert costs.forward_seconds(2, 4) == 0.2  # no wider forward timed: flat, and the planner keeps rounds narrow
+    costs.record_forward(2, 4, 0.8)  # 4x the plain step at 3 extra tokens per row: each adds 100%
+    assert costs.slope == pytest.approx(1.0) and costs.forward_seconds(4, 3) == pytest.approx(0.9)
+    costs.record_draft(4, 0.15)
+    costs.record_draft(4, 0.15)
+    assert costs.draft_seconds(4) == pytest.approx(0.15) and costs.draft_seconds(2) == pytest.approx(0.1)
+    costs.record_forward(2, 1, 100.0)  # a burst of other load moves the estimate at most to twice it, smoothed
+    assert 0.2 < costs.forward_seconds(2, 1) < 0.4
+    costs.record_forward(2, 2, 0.1)
+    costs.record_forward(2, 2, 0.1)  # a wider forward that ran faster than the plain estimate lowers it
+    assert costs.forward_seconds(2, 1) == 0.1
     table = VerificationCostTable([1.0, 2.0, 3.0, 4.0], draft_seconds=0.5)
     tabled = RoundCosts(table)
-    assert tabled.forward_seconds(1, 3) == 3.0 and tabled.draft_seconds(2) == 0.5
+    assert tabled.forward_seconds(1, 3) == 3.0 and tabled.draft_seconds(2) == 0.5 and tabled.knows_slope()
+    tabled.record_forward(1, 1, 2.0)
     tabled.record_forward(1, 1, 2.0)  # this machine runs at twice the table's times
     assert tabled.forward_seconds(1, 3) == pytest.approx(6.0)
     frozen = RoundCosts(table, learn=False)
     frozen.record_forward(1, 1, 2.0)
+    frozen.record_forward(1, 1, 2.0)
     assert frozen.forward_seconds(1, 1) == 1.0
+    flat = RoundCosts(learn=False)  # no table, nothing learnt: every forward costs the same, drafting is free
+    assert flat.knows_plain() and flat.forward_seconds(4, 8) == flat.forward_seconds(4, 1) and not flat.draft_seconds(4)
+
+
+def test_the_first_round_is_plain_and_the_next_stay_narrow_until_a_wide_one_is_timed():
+    planner = BatchRoundPlanner(RoundCosts(), probe_width=3)
+    sure = [RowOptions(6, [1.0], expected_tokens([1.0] * 6, 6))] * 2
+    assert planner.plan(sure).width == 1
+    planner.costs.record_forward(2, 1, 0.02)
+    planner.costs.record_forward(2, 1, 0.02)
+    assert planner.plan(sure).width == 3
+    planner.costs.record_forward(2, 3, 0.02)
+    planner.costs.record_forward(2, 3, 0.02)  # a flat machine: wider is free
+    assert planner.plan(sure).width == 7
 
 
 def test_slot_acceptance_and_expected_tokens():
@@ -89,7 +120,7 @@ def test_each_row_takes_its_best_proposal_within_the_batch_width():
 
 
 def test_a_flat_machine_drafts_and_a_plain_winner_still_probes_the_drafter():
-    flat = BatchRoundPlanner(RoundCosts())  # nothing measured: every forward costs the same, drafting is free
+    flat = BatchRoundPlanner(RoundCosts(learn=False))  # no table, not learning: a flat machine, drafting is free
     assert flat.plan([RowOptions(3, [1.0], expected_tokens([0.1] * 3, 3))] * 2).use_drafter
     planner = BatchRoundPlanner(cpu_like_costs(), probe_every=4, max_probe_every=8)
     poor = [RowOptions(4, [1.0], expected_tokens([0.1] * 4, 4))] * 2
@@ -158,10 +189,10 @@ def test_no_drafter_pass_in_rounds_the_planner_makes_plain():
     engine = SpeculativeEngine(target, drafter)
     costs = engine.planning.costs
     costs.learn = False  # keep these prices whatever the rounds measure
+    costs.slope = 1.0  # each verified token costs as much as a plain step
     for rows in range(1, 4):
-        for width in range(1, 6):
-            costs.forward[rows, width] = 0.01 * rows * width
-        costs.draft[rows] = 0.05
+        costs.plain[rows] = 0.01 * rows
+        costs.draft_ratio[rows] = 5.0
     prompt_list = prompts(3, length=6)
     ids = [engine.submit(p[0], 40) for p in prompt_list]
     outputs = engine.run_until_done()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Llama4TextConfig,
                           MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3NextConfig)
+                          Qwen3_5TextConfig, Qwen3ForCausalLM, Qwen3NextConfig)
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
 import hf_dspark.generation.engine.speculative_engine as batched
@@ -233,8 +233,13 @@ def as_target(config, base_model=None):
 def test_layer_kinds_the_engine_cannot_keep_are_refused_by_name():
     small = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                  intermediate_size=64)
-    with pytest.raises(ValueError, match="'linear_attention'.*per prompt"):
-        new_target_cache(as_target(Qwen3NextConfig(**small)))
+    # Recurrent layers beside full attention run (tests/test_hybrid_targets.py); beside sliding layers they do not.
+    hybrid = [type(layer).__name__ for layer in new_target_cache(as_target(Qwen3NextConfig(**small))).layers]
+    assert hybrid == ["LinearAttentionLayer"] * 3 + ["GrowingLayer"]
+    sliding_hybrid = Qwen3_5TextConfig(layer_types=["linear_attention", "sliding_attention"] * 2,
+                                       sliding_window=WINDOW, **small)
+    with pytest.raises(ValueError, match="sliding-window layers.*per prompt"):
+        new_target_cache(as_target(sliding_hybrid))
     with pytest.raises(ValueError, match="'chunked_attention'"):
         new_target_cache(as_target(Llama4TextConfig(attention_chunk_size=8, **small)))
 

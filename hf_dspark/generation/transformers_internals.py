@@ -10,7 +10,9 @@ What is relied on (transformers 5.24):
 * `DynamicCache(config=...)` holds one layer object per decoder layer in `cache.layers`, a plain `DynamicLayer` for a
   full-attention layer, which may be swapped for another layer object;
 * `StaticLayer(max_cache_len=...)`, and `generate` sizing its next static cache from the model's
-  `_previous_max_cache_length`.
+  `_previous_max_cache_length`;
+* a hybrid target's recurrent and convolution layers: what is relied on is listed in `recurrent_states`, which
+  handles them (the engine keeps them as they are beside its `GrowingLayer`s; they have no holes).
 
 `GrowingLayer` is the engine's target-cache layer: a `DynamicLayer` whose keys and values are views of a buffer with
 spare columns, so a decoding step writes its entries in place instead of copying the whole cache with `torch.cat`
@@ -29,6 +31,9 @@ from transformers import DynamicCache, LlamaConfig
 from transformers import cache_utils
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 from transformers.generation.utils import GenerationMixin
+
+from .recurrent_states import (is_recurrent_layer, is_stateless_layer, select_state_rows, snapshot_state_fields,
+                               stack_state_rows)
 
 SUPPORTED = "transformers 5.24"
 
@@ -117,15 +122,24 @@ def _runs(columns: list[int]) -> list[tuple[int, int]]:
 
 
 def growing_cache(config) -> DynamicCache | None:
-    """A `DynamicCache` for `config` made of `GrowingLayer`s, or None when some layer keeps no per-token entries
-    (recurrent or convolution states, layers sharing another's cache). A sliding-window layer becomes a full-length
-    layer too: its window counts cache slots, holes included, so the engine applies it in its own mask instead
-    (`engine.masks`), by position."""
+    """A `DynamicCache` for `config` whose attention layers are `GrowingLayer`s, or None when some layer is of a kind
+    the engine cannot keep (layers sharing another's cache, one layer holding both attention entries and a recurrent
+    state). A sliding-window layer becomes a full-length layer too: its window counts cache slots, holes included, so
+    the engine applies it in its own mask instead (`engine.masks`), by position. A hybrid target's recurrent and
+    convolution layers stay as transformers made them (one state per row, no holes: `recurrent_states`), and so do
+    layers without a cache."""
     cache = DynamicCache(config=config)
-    if any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
+    attention = [type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers]
+    shares = "reuse" in (getattr(config.get_text_config(decoder=True), "kv_sharing_modes", None) or ())
+    if shares or not all(kept or _is_own_state(layer) for kept, layer in zip(attention, cache.layers)):
         return None
-    cache.layers = [GrowingLayer() for _ in cache.layers]
+    cache.layers = [GrowingLayer() if kept else layer for kept, layer in zip(attention, cache.layers)]
     return cache
+
+
+def _is_own_state(layer) -> bool:
+    """A recurrent / convolution layer without attention entries, or a layer without a cache."""
+    return is_stateless_layer(layer) or (is_recurrent_layer(layer) and not hasattr(layer, "keys"))
 
 
 def attention_layer_types(config) -> list[str]:
@@ -169,8 +183,29 @@ def layer_tensors(layer) -> tuple[torch.Tensor, torch.Tensor]:
 
 def select_layer_entries(layer, rows: torch.LongTensor | None = None, columns: list[int] | None = None) -> None:
     """Keep the given rows (batch indices, on the device) and columns (entry indices, host ints) of the engine's
-    `layer` (a `GrowingLayer`); None keeps all."""
-    layer.hold_selected(rows, columns)
+    `layer` (a `GrowingLayer`; a recurrent layer keeps its rows, having no columns); None keeps all."""
+    if is_recurrent_layer(layer):
+        if rows is not None:
+            select_state_rows(layer, rows)
+    elif not is_stateless_layer(layer):
+        layer.hold_selected(rows, columns)
+
+
+def crop_entries(cache, count: int) -> None:
+    """Drop the last `count` entries of every attention layer (the trailing columns no row kept); recurrent layers
+    have none (their states were chosen per row) and layers without a cache nothing."""
+    for layer in cache.layers:
+        if not (is_recurrent_layer(layer) or is_stateless_layer(layer)):
+            layer.crop(-count)
+
+
+def merge_layer_rows(layer, other) -> None:
+    """Append the rows of `other` (the same layer of another block of rows) to the engine's `layer`, each block's
+    entries padded with holes to the wider one."""
+    if is_recurrent_layer(layer):
+        stack_state_rows(layer, other)
+    elif not is_stateless_layer(layer):
+        stack_layer_rows(layer, [layer_tensors(layer), layer_tensors(other)])
 
 
 def row_entries(cache, row: int, columns: torch.LongTensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -201,8 +236,9 @@ def stack_layer_rows(layer: GrowingLayer, blocks: list[tuple[torch.Tensor, torch
 
 
 def snapshot_layers(cache) -> list[dict]:
-    """Each layer's state by reference (see the module docstring: nothing a step does writes into it)."""
-    return [dict(vars(layer)) for layer in cache.layers]
+    """Each layer's state by reference (see the module docstring: nothing a step does writes into it), but a
+    recurrent layer's, which the model writes into: cloned."""
+    return [snapshot_state_fields(layer) if is_recurrent_layer(layer) else dict(vars(layer)) for layer in cache.layers]
 
 
 def restore_layers(cache, snapshot: list[dict]) -> None:

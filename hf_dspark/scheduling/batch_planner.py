@@ -7,24 +7,24 @@ row takes the best of its own proposals within W: the drafter's block, a suffix 
 
     rate(W, drafter) = sum over rows of w_r E_r(W) / (F(R, W) + [drafter runs] * D(R))
 
-with E_r the row's expected tokens, w_r what its tokens are worth (1 in a server; see `EngineRoundPlanning`) (1 + S_1 + ... + S_k for k proposed tokens surviving with S_j), F the target
-forward's seconds at that shape and D the drafter pass's. A plain step is W = 1 without the drafter: R tokens for
-F(R, 1). A proposal must beat the plain step by `margin` (estimates err; the plain step is measured). When the best
-option is the plain step, no row drafts and the drafter does not run.
+with E_r the row's expected tokens (1 + S_1 + ... + S_k for k proposed tokens surviving with S_j), w_r what its
+tokens are worth (1 in a server; a `generate()` batch weighs rows by the work they have left, see
+`EngineRoundPlanning`), F the target forward's seconds at that shape and D the drafter pass's. A plain step is W = 1
+without the drafter: R tokens for F(R, 1). A proposal must beat the plain step by `margin` (estimates err; the plain
+step is measured). When the best option is the plain step, no row drafts and the drafter does not run.
 
-Costs are learnt by the loop (`RoundCosts`): seconds of each (rows, width) forward and of the drafter pass per row
-count, measured between the host reads the engine makes anyway. Without a cost table an unmeasured shape is priced
-from measured ones (linearly in tokens R * W between them, proportionally below the smallest, flat above the
-largest: optimistic, so a shape that might pay is tried once and then known). With a table, its figures (scaled by
-how measured shapes compare with them) price unmeasured shapes. With neither a table nor any measurement every
-forward costs the same and drafting is free, a GPU-like machine where drafting always pays.
+Costs are learnt by the loop (`RoundCosts`), timed between the host reads the engine makes anyway: a plain step's
+seconds per row count, and, relative to it, what each verified token adds and what the drafter's pass costs. The
+first round is a plain step; until a wider forward has been timed, rounds verify at most `probe_width` tokens per
+row. A cost table, when given, prices what was not measured yet. With a table and nothing learnt (or
+`learn=False` without a table: every forward costs the same and drafting is free, a GPU-like machine) the prices
+stay the table's.
 
 The drafter's expected tokens per row come from what verification accepted (`SlotAcceptance`: per draft slot, the
 chance it is accepted when the slots before it were), kept per request on top of the batch's pooled rates, so any
 drafter kind is priced by what it really achieves. A drafter that has not run for `probe_every` rounds runs once to
 refresh its estimate, verifying at most `probe_width` tokens per row (a probe is a round expected to lose); each probe
-that does not win doubles the wait up to `max_probe_every`. Without a cost table a new batch's prefill gives the
-first price of wide forwards.
+that does not win doubles the wait up to `max_probe_every`.
 
 Lossless: every choice depends on earlier rounds (and on a row's own committed text, for suffix proposals), never on
 this round's drafts; the verifier's rule keeps every row's output exactly the target's.
@@ -78,65 +78,100 @@ def expected_tokens(rates: list[float], num_tokens: int) -> list[float]:
 
 
 class RoundCosts:
-    """Seconds of the target's verification forward per (rows, width) and of the drafter's pass per row count:
-    measured in this loop (smoothed, a burst clipped at twice the estimate), else estimated (see the module)."""
+    """What a round costs, as a plain step's seconds per row count and two ratios to it, so that a change of load
+    (which scales every forward alike) moves one measured figure, not every shape's:
+
+        F(R, W) = plain(R) * (1 + slope * (W - 1))      the target forward, R rows of W tokens
+        D(R)    = plain(R) * draft_ratio(R)             the drafter's pass over R rows
+
+    `plain(R)` is measured in this loop (smoothed; a burst clipped at twice the estimate; a shape's first run, which
+    may warm caches, not counted; lowered by any wider forward that ran faster), else interpolated over
+    the row counts measured (flat beyond them), else the cost table's (R tokens), else 1. `slope` (what each token
+    a row verifies beyond its first adds, as a share of the plain step) is learnt from every wider forward, else the
+    table's, else 0 (a flat machine): `knows_slope` tells the planner whether wide rounds are priced from a measure."""
 
     def __init__(self, cost_table: VerificationCostTable | None = None, learn: bool = True, smoothing: float = 0.3):
         self.cost_table, self.learn, self.smoothing = cost_table, learn, smoothing
-        self.forward: dict[tuple[int, int], float] = {}
-        self.draft: dict[int, float] = {}
+        self.plain: dict[int, float] = {}
+        self.slope: float | None = None
+        self.draft_ratio: dict[int, float] = {}
+        self._seen: set = set()
 
     def record_forward(self, rows: int, width: int, seconds: float) -> None:
-        if self.learn:
-            self.forward[rows, width] = self._smoothed(self.forward.get((rows, width)), seconds)
+        if not self.learn or self._first_run(("forward", rows, width)):
+            return
+        if width == 1:
+            self.plain[rows] = self._smoothed(self.plain.get(rows), seconds)
+        elif self.knows_plain():
+            if rows in self.plain and seconds < self.plain[rows]:
+                # A wider forward never costs less than a plain step: the plain estimate is stale (load fell).
+                self.plain[rows] = seconds
+            slope = max(seconds / self.plain_seconds(rows) - 1.0, 0.0) / (width - 1)
+            self.slope = slope if self.slope is None else self.slope + self.smoothing * (slope - self.slope)
 
     def record_draft(self, rows: int, seconds: float) -> None:
-        if self.learn:
-            self.draft[rows] = self._smoothed(self.draft.get(rows), seconds)
+        if self.learn and self.knows_plain() and not self._first_run(("draft", rows)):
+            ratio = seconds / self.plain_seconds(rows)
+            self.draft_ratio[rows] = self._smoothed(self.draft_ratio.get(rows), ratio)
 
-    def _smoothed(self, previous: float | None, seconds: float) -> float:
+    def _first_run(self, shape) -> bool:
+        """True the first time a shape runs: that run may fill cold caches or pick kernels, seconds that later
+        rounds do not pay (one such time would misprice every round relative to it)."""
+        if shape in self._seen:
+            return False
+        self._seen.add(shape)
+        return True
+
+    def _smoothed(self, previous: float | None, value: float) -> float:
         if previous is None:
-            return seconds
-        return previous + self.smoothing * (min(seconds, 2.0 * previous) - previous)
+            return value
+        return previous + self.smoothing * (min(value, 2.0 * previous) - previous)
+
+    def knows_plain(self) -> bool:
+        """Whether a plain step has a price: measured, tabled, or fixed (not learning: flat without a table)."""
+        return bool(self.plain) or self.cost_table is not None or not self.learn
+
+    def knows_slope(self) -> bool:
+        return self.slope is not None or self.cost_table is not None or not self.learn
+
+    def plain_seconds(self, rows: int) -> float:
+        if rows in self.plain:
+            return self.plain[rows]
+        if self.plain:
+            return _interpolated(self.plain, rows)
+        return self._tabled(rows) if self.cost_table is not None else 1.0
 
     def forward_seconds(self, rows: int, width: int) -> float:
-        if (rows, width) in self.forward:
-            return self.forward[rows, width]
-        tokens = rows * width
+        plain = self.plain_seconds(rows)
+        if width == 1:
+            return plain
+        if self.slope is not None:
+            return plain * (1.0 + self.slope * (width - 1))
         if self.cost_table is not None:
-            tabled = self._tabled(tokens)
-            if not self.forward:
-                return tabled
-            ratios = [seconds / self._tabled(r * w) for (r, w), seconds in self.forward.items()]
-            return tabled * sum(ratios) / len(ratios)
-        return _interpolated({r * w: s for (r, w), s in self.forward.items()}, tokens, default=1.0)
+            return plain * self._tabled(rows * width) / self._tabled(rows)
+        return plain
 
     def draft_seconds(self, rows: int) -> float:
-        if rows in self.draft:
-            return self.draft[rows]
-        if self.draft:
-            return _interpolated(self.draft, rows, default=0.0)
+        if self.draft_ratio:
+            return self.plain_seconds(rows) * _interpolated(self.draft_ratio, rows)
         return self.cost_table.draft_seconds if self.cost_table is not None else 0.0
 
     def _tabled(self, tokens: int) -> float:
         return self.cost_table.round_seconds(tokens) - self.cost_table.draft_seconds
 
 
-def _interpolated(points: dict[int, float], x: int, default: float) -> float:
-    """Linear in x between measured points; proportional to x below the smallest, flat above the largest."""
-    if not points:
-        return default
+def _interpolated(points: dict[int, float], x: int) -> float:
+    """Linear in x between measured points, flat beyond them."""
     keys = sorted(points)
     if x <= keys[0]:
-        return points[keys[0]] * x / keys[0]
+        return points[keys[0]]
     if x >= keys[-1]:
         return points[keys[-1]]
     upper = next(k for k in keys if k >= x)
     lower = max(k for k in keys if k <= x)
     if upper == lower:
         return points[lower]
-    share = (x - lower) / (upper - lower)
-    return points[lower] + share * (points[upper] - points[lower])
+    return points[lower] + (x - lower) / (upper - lower) * (points[upper] - points[lower])
 
 
 @dataclass
@@ -170,9 +205,10 @@ class BatchRoundPlanner:
     """`plan(options)` -> `RoundPlan` for the running rows (see the module); `record_*` feed it the round's costs."""
 
     def __init__(self, costs: RoundCosts, drafter_allowed: bool = True, margin: float = 1.05, probe_every: int = 16,
-                 max_probe_every: int = 64, probe_width: int = 3):
+                 max_probe_every: int = 64, probe_width: int = 3, max_width: int = 1 << 30):
         self.costs, self.drafter_allowed, self.margin = costs, drafter_allowed, margin
         self.probe_width = probe_width  # a probe verifies at most this many tokens per row: it is a round that loses
+        self.max_width = max_width
         self.probe_every, self.max_probe_every = probe_every, max(probe_every, max_probe_every)
         self.probe_interval = probe_every
         self.rounds_without_drafter = 0
@@ -181,7 +217,11 @@ class BatchRoundPlanner:
         """The best round for these rows; `drafter_possible` False (e.g. a scheduler's plain round) leaves the
         drafter out this round."""
         rows = len(options)
-        widest = max(row.budget for row in options) + 1
+        if not self.costs.knows_plain():  # the first round: a plain step, the price every other one is relative to
+            return RoundPlan(False, [NO_DRAFT] * rows, [0] * rows)
+        # Until a wider forward was timed, rounds stay as narrow as a probe: the first wide one measures the slope.
+        widest = min(max(row.budget for row in options) + 1,
+                     self.probe_width if not self.costs.knows_slope() else self.max_width)
         plain_tokens = sum(row.weight for row in options)
         best = RoundPlan(False, [NO_DRAFT] * rows, [0] * rows, plain_tokens / self.costs.forward_seconds(rows, 1))
         bar = best.expected_rate * self.margin  # a proposal must beat the plain step by the margin

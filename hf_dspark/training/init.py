@@ -13,15 +13,46 @@ _COPIED = (
 )
 
 
+# The drafter's (Qwen3-style) names of LFM2's decoder-layer tensors.
+_LFM2_NAMES = {"self_attn.out_proj": "self_attn.o_proj", "self_attn.q_layernorm": "self_attn.q_norm",
+               "self_attn.k_layernorm": "self_attn.k_norm", "feed_forward.w1": "mlp.gate_proj",
+               "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
+               "operator_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def _layer_parameters(layer) -> dict[str, torch.Tensor]:
+    """A target decoder layer's parameters under the drafter's names."""
+    found = {}
+    for name, param in layer.named_parameters():
+        module_name, leaf = name.rsplit(".", 1)
+        found[f"{_LFM2_NAMES.get(module_name, module_name)}.{leaf}"] = param
+    return found
+
+
+def _input_norm(layer):
+    return layer.input_layernorm if hasattr(layer, "input_layernorm") else layer.operator_norm
+
+
+def _stores_offset(norm) -> bool:
+    """Whether an RMSNorm scales by (1 + w) (Gemma, Qwen3-Next, Qwen3.5: its weight starts at zero) rather than w."""
+    try:
+        fresh = type(norm)(norm.weight.shape[0])
+    except TypeError:
+        return False
+    return bool((fresh.weight == 0).all())
+
+
 @torch.no_grad()
 def init_layers_from_target(drafter: DraftPreTrainedModel, target, target_layer_indices: list[int]) -> list[str]:
     """Copy every matching tensor of target layer `target_layer_indices[i]` into drafter layer i; returns the
-    names copied. Gemma-style norms (stored as w - 1) are converted to plain RMSNorm weights."""
+    names copied. Norms stored as w - 1 (Gemma, Qwen3-Next, Qwen3.5) are converted to plain RMSNorm weights; LFM2's
+    names are read as the drafter's. A hybrid target's recurrent and convolution layers have no attention tensors
+    to copy: choose attention layers for the attention part."""
     target_layers = target.get_decoder().layers
-    offset_norms = "gemma" in target.config.get_text_config().model_type
     copied = []
     for draft_index, target_index in enumerate(target_layer_indices):
-        source = dict(target_layers[target_index].named_parameters())
+        source = _layer_parameters(target_layers[target_index])
+        offset_norms = _stores_offset(_input_norm(target_layers[target_index]))
         for name, param in drafter.layers[draft_index].named_parameters():
             module_name = name.rsplit(".", 1)[0]
             if module_name not in _COPIED or name not in source or source[name].shape != param.shape:
@@ -49,8 +80,9 @@ def init_context_from_target(drafter: DraftPreTrainedModel, target, first_copied
     slot = layer_ids.index(source)
     drafter.fc.weight.zero_()
     drafter.fc.weight[:, slot * width : (slot + 1) * width] = torch.eye(width, dtype=drafter.fc.weight.dtype)
-    norm = target.get_decoder().layers[first_copied_layer].input_layernorm.weight.to(drafter.hidden_norm.weight.dtype)
-    if "gemma" in target.config.get_text_config().model_type:
+    target_norm = _input_norm(target.get_decoder().layers[first_copied_layer])
+    norm = target_norm.weight.to(drafter.hidden_norm.weight.dtype)
+    if _stores_offset(target_norm):
         norm = norm + 1.0
     drafter.hidden_norm.weight.copy_(norm)
     return slot

@@ -97,7 +97,7 @@ def loop_support_problems(model_class: type) -> list[str]:
     prepare = getattr(model_class, "prepare_inputs_for_generation", None)
     if prepare is None:
         return [f"{model_class.__name__} has no prepare_inputs_for_generation, so it is not a generate()-capable model."]
-    parameters = inspect.signature(prepare).parameters
+    parameters = _cache_parameters(model_class)
     if "cache" in parameters:
         return []
     legacy = " (it takes `past_key_values`, the older name)" if "past_key_values" in parameters else ""
@@ -106,6 +106,20 @@ def loop_support_problems(model_class: type) -> list[str]:
         "the KV cache to decoding methods under another name than `cache`, which hf_dspark's loop reads and passes "
         "to the target's forward."
     ]
+
+
+def _cache_parameters(model_class: type):
+    """The parameters of `model_class.prepare_inputs_for_generation` that name the cache: an override that takes only
+    `**kwargs` and hands them on (Nemotron-H's) is read through to the first class up the MRO that names them."""
+    found = {}
+    for owner in model_class.__mro__:
+        method = vars(owner).get("prepare_inputs_for_generation")
+        if method is None:
+            continue
+        found = inspect.signature(method).parameters
+        if "cache" in found or "past_key_values" in found:
+            return found
+    return found
 
 
 def incompatibility_message(problems: list[str], custom_generate_works: bool) -> str:

@@ -7,10 +7,10 @@ import torch
 
 from ...models.identity import drafter_type
 from .requests import ParkedCache
-from .masks import mask_kinds
+from .masks import STATE_KINDS, mask_kinds
 from ..call.plan import DraftingPlan
 from ..call.settings import checked_draft_length
-from ..transformers_internals import growing_cache
+from ..transformers_internals import attention_layer_types, growing_cache
 
 _HOLE_SAFE_ATTENTION = ("sdpa", "eager")
 
@@ -32,13 +32,14 @@ def check_target(target) -> None:
 def new_target_cache(target):
     """A cache whose layers all keep every entry, sliding-window layers included: a window counts cache slots, holes
     included, so the engine applies it in its own masks, by position (`masks`)."""
-    mask_kinds(target)  # refuses recurrent, chunked and other layer kinds by name
+    mask_kinds(target)  # refuses chunked and other layer kinds by name
     cache = growing_cache(target.config)
     if cache is None:
         raise ValueError(
-            "Batched decoding runs targets whose layers all keep per-token keys and values (full or sliding-window "
-            "attention); this target has layers with recurrent or convolution states or a shared cache, which the "
-            "engine's holes cannot keep. Decode it per prompt."
+            "Batched decoding runs targets whose layers keep per-token keys and values (full or sliding-window "
+            "attention) or, beside them, recurrent or convolution states of their own; this target has layers "
+            "sharing another's cache or holding both kinds at once, which the engine's holes cannot keep. Decode it "
+            "per prompt."
         )
     return cache
 
@@ -99,6 +100,16 @@ def check_left_padded(input_ids, attention_mask) -> None:
         raise ValueError(
             "Prompts must be left-padded (attention_mask 0s then 1s, ending in a real token); tokenize with "
             "padding_side='left'."
+        )
+
+
+def check_parking(target, keep_cache: bool, resume: ParkedCache | None) -> None:
+    """Parked caches hold attention entries only: a hybrid target's recurrent states are not parked."""
+    if (keep_cache or resume is not None) and any(kind in STATE_KINDS for kind in attention_layer_types(target.config)):
+        raise ValueError(
+            "keep_cache= and resume= park and continue a request's attention entries; this target also has "
+            "recurrent or convolution layers, whose states are not parked. Submit the whole conversation as the "
+            "prompt instead."
         )
 
 

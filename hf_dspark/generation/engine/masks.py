@@ -30,18 +30,22 @@ import torch
 from ..transformers_internals import attention_layer_types, takes_mask_mapping
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+# A hybrid target's layers without attention entries: recurrent / convolution layers keep one state per row (their
+# padding is zeroed by the model from the 2D mask, `recurrent_states`), and "dummy" ones (an MLP-only layer) no cache.
+STATE_KINDS = frozenset({"linear_attention", "conv", "dummy"})
 
 
 @dataclass(frozen=True)
 class MaskKinds:
     """The attention kinds of a target's layers, as the engine masks them."""
 
-    kinds: frozenset[str]  # a subset of {FULL, SLIDING}
+    kinds: frozenset[str]  # a subset of {FULL, SLIDING}: the attention layers' kinds
     window: int | None  # the sliding layers' window (None without any)
 
     @property
     def full_only(self) -> bool:
-        return self.kinds == frozenset({FULL})
+        """No sliding layers: the 2D padding mask is all a forward needs (recurrent layers read it too)."""
+        return self.kinds <= frozenset({FULL})
 
 
 _KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> (its config, MaskKinds)
@@ -61,13 +65,22 @@ def mask_kinds(target) -> MaskKinds:
 
 
 def _read_kinds(target) -> MaskKinds:
-    kinds = frozenset(attention_layer_types(target.config))
+    every = frozenset(attention_layer_types(target.config))
+    kinds = every - STATE_KINDS
     others = sorted(kinds - {FULL, SLIDING})
     if others:
         raise ValueError(
-            f"Batched decoding runs targets with full and sliding-window attention layers; this target also has "
-            f"{', '.join(map(repr, others))} layers (recurrent, convolution, chunked or shared-cache layers cannot "
-            "keep the engine's holes); decode it per prompt with target.generate(..., assistant_model=drafter)."
+            f"Batched decoding runs targets with full and sliding-window attention layers (and recurrent or "
+            f"convolution layers beside full attention); this target also has {', '.join(map(repr, others))} layers "
+            "(chunked or shared-cache layers cannot keep the engine's holes); decode it per prompt with "
+            "target.generate(..., assistant_model=drafter)."
+        )
+    if SLIDING in kinds and every & STATE_KINDS:
+        raise ValueError(
+            "Batched decoding runs hybrid targets (recurrent or convolution layers) whose attention layers are all "
+            "full attention; this one also has sliding-window layers, whose masks by position the engine cannot "
+            "pass beside the recurrent layers' padding mask. Decode it per prompt with "
+            "target.generate(..., assistant_model=drafter)."
         )
     text = target.config.get_text_config(decoder=True)
     if SLIDING not in kinds:

@@ -20,7 +20,8 @@ from .requests import ParkedCache, Request
 from ..round.sampling import RowSampling
 from .checks import new_target_cache
 from .masks import target_attention_mask
-from ..transformers_internals import stack_layer_rows
+from ..recurrent_states import has_recurrent_layers, keep_recurrent_states, keep_states_after
+from ..transformers_internals import crop_entries, stack_layer_rows
 from ..round.sampling import sample
 
 def target_forward(target, rows: BatchRows, tokens, new_valid, positions, layer_indices, keep: int,
@@ -127,6 +128,8 @@ def verify_round(target, rows: BatchRows, drafts: Drafts, width: int, layer_indi
     tokens = torch.cat([rows.anchor[:, None], drafts.tokens[:, : width - 1]], dim=1)
     new_valid = offsets[None, :] < drafts.lengths[:, None] + 1
     positions = rows.target_length[:, None] + offsets  # padded entries get the same arithmetic; they are masked
+    if width > 1 and has_recurrent_layers(rows.target_cache):
+        keep_recurrent_states(rows.target_cache, width)  # each row keeps its own count (`commit_round`)
     target_logits, features = target_forward(target, rows, tokens, new_valid, positions, layer_indices, keep=width,
                                              feature_device=feature_device)
     num_accepted, next_token, _ = verify_drafts(sampling, target_logits, drafts, generator)
@@ -137,11 +140,13 @@ def verify_round(target, rows: BatchRows, drafts: Drafts, width: int, layer_indi
 def commit_round(rows: BatchRows, num_accepted: torch.LongTensor, accepted: list[int], width: int, features,
                  positions, new_tokens: torch.LongTensor) -> None:
     """The newest token and the accepted drafts become valid; rejected drafts and padding stay as holes, except
-    the trailing columns that no row kept: cropping those is a free slice and bounds the cache's growth. `accepted`
-    is `num_accepted` as read on the host; `new_tokens` (`verify_round`'s) holds the token after each kept entry."""
+    the trailing columns that no row kept: cropping those is a free slice and bounds the cache's growth. A recurrent
+    layer keeps no holes: each row takes its state after its kept entries. `accepted` is `num_accepted` as read on
+    the host; `new_tokens` (`verify_round`'s) holds the token after each kept entry."""
     used = max(accepted) + 1
+    keep_states_after(rows.target_cache, num_accepted + 1, width)
     if used < width:
-        rows.target_cache.crop(-(width - used))
+        crop_entries(rows.target_cache, width - used)
     kept = torch.arange(used, device=rows.anchor.device)[None, :] < num_accepted[:, None] + 1
     rows.target_valid = torch.cat([rows.target_valid, kept], dim=1)
     rows.target_length = rows.target_length + num_accepted + 1

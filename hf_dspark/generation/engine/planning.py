@@ -107,12 +107,6 @@ class EngineRoundPlanning:
                 self._proposals(request_id).acceptance.record(length, count)
                 self.pool.record(length, count)
 
-    def record_prefill(self, rows: int, width: int, seconds: float) -> None:
-        """The prefill of a new batch (rows x width tokens) took `seconds`: without a cost table, the first price of
-        wide forwards, so the first rounds need not try the widest one to learn what width costs."""
-        if self.costs.cost_table is None:
-            self.costs.record_forward(rows, width, seconds)
-
     def suffix_rows(self, plan: RoundPlan, request_ids: list[int]) -> dict[int, list[int]]:
         """Row -> the tokens its suffix proposal verifies this round."""
         return {row: self.requests[request_id].proposal[: plan.lengths[row]]

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from ...models.layers import DraftContextCache
-from ..transformers_internals import layer_tensors, row_entries, select_layer_entries, stack_layer_rows
+from ..transformers_internals import merge_layer_rows, row_entries, select_layer_entries
 
 
 def to_device(values: list[int], device, dtype=torch.long) -> torch.Tensor:
@@ -146,7 +146,7 @@ class BatchRows:
                      "pending"):
             setattr(self, name, _cat_rows(getattr(self, name), getattr(other, name), dim=1))
         for mine, theirs in zip(self.target_cache.layers, other.target_cache.layers):
-            stack_layer_rows(mine, [layer_tensors(mine), layer_tensors(theirs)])
+            merge_layer_rows(mine, theirs)
         caches = (self.draft_cache, other.draft_cache)
         layers = max(len(cache.keys) for cache in caches)
         self.draft_cache.keys = [_merge_draft_layer([_layer(c.keys, i) for c in caches], counts) for i in range(layers)]

@@ -30,8 +30,6 @@ later request (the conversation's next turn) continued on it, prefilling only it
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ...models.modeling_dspark import DSparkDraftModel
@@ -43,7 +41,7 @@ from ...scheduling.batch_planner import DRAFTER
 from .planning import EngineRoundPlanning, with_suffix_drafts
 from ..call.plan import DraftingPlan
 from .eagle3 import row_drafter_for
-from .checks import (check_drafter, check_left_padded, check_resume, check_target, checked_prompt,
+from .checks import (check_drafter, check_left_padded, check_parking, check_resume, check_target, checked_prompt,
                             engine_plan)
 from .requests import (BatchedOutput, EngineGate, EngineSnapshot, ParkedCache, Request, emit, eos_ids,
                               park_finished)
@@ -105,20 +103,27 @@ class SpeculativeEngine:
     Each request's output is distributed exactly as the target's own decoding of its prompt alone with its own
     settings (greedy: the same tokens), whatever else shares the batch and whenever it joined.
 
+    Each round is planned from earlier rounds (`engine/planning.py`, `scheduling/batch_planner.py`; the drafter's
+    `generation_config.dspark_round_planning`): per request the drafter's block, a suffix match of its own text or a
+    plain step, with the verification width that pays best at the costs this engine measured; a round in which no
+    row drafts does not run the drafter.
+
     Threads: one thread may step the engine while others `submit()` (never waiting for a step: the request joins
     at the next step to start) and `cancel()` (waiting for the running step, then taking effect before any later
     one, returning the tokens that step left). The engine casts its drafter in place (`attach_target(follow=True)`):
     do not generate() with that drafter for a target of another dtype or device while the engine runs.
 
     Args:
-        target: a decoder-only causal LM with full attention on every layer (sdpa or eager).
+        target: a decoder-only causal LM with full or sliding-window attention layers (sdpa or eager), or a hybrid
+            one with recurrent or convolution layers beside full attention (Qwen3.5, Qwen3-Next, LFM2, Nemotron-H).
         drafter: a `DSparkDraftModel` or `Eagle3DraftModel` trained for `target` (attached here), or None for plain
             continuous batching (each round emits one target token per row; `policy` must stay "all").
         policy, policy_arg: how many drafted slots each row verifies per round, as in
             `batched_speculative_generate`. A stateful scheduler is `reset()` whenever the batch starts empty.
         threshold_rule: what policy "threshold" compares: ``"cumulative"`` (c_1...c_j) or ``"per_slot"`` (c_j).
         draft_length: slots drafted per round, 1..`drafter.config.num_draft_slots`. Unset, these three come from
-            the drafter's `generation_config`, resolved as `generate()` resolves them (`DraftingPlan`).
+            the drafter's `generation_config`, resolved as `generate()` resolves them (`DraftingPlan.for_call`).
+        plan: a `DraftingPlan` instead of the three above (what `generate()` passes down: every setting of the call).
         generator: random source for drafting and acceptance (sampled requests without a generator of their own).
         keep_stats: keep every request's statistics in `stats` after its output is returned (a long-running
             server would grow without bound; by default they leave with the output, see `returned_stats`).
@@ -196,6 +201,7 @@ class SpeculativeEngine:
             raise ValueError("keep_cache=True needs max_new_tokens >= 1: a request that decodes nothing computes "
                              "no cache to park.")
         check_resume(tokens, resume, self.plain)
+        check_parking(self.target, keep_cache, resume)
         sampling = SamplingParams(bool(do_sample), float(temperature), float(top_p), int(top_k or 0))
         request = Request(tokens, max_new_tokens, sampling, eos_ids(self.target, eos_token_id), generator, resume,
                           keep_cache)
@@ -315,11 +321,8 @@ class SpeculativeEngine:
         fresh = [r for r in starting if r not in resumed]
         if fresh:
             input_ids, mask = left_padded([self._requests[r].tokens for r in fresh], self.device)
-            starting_batch, started = not self.num_running, time.perf_counter()
             rows, logits = prefill(self.target, input_ids, mask, fresh, self.layer_indices, self.feature_device)
-            finished += self._join(fresh, rows, logits)  # reads the first tokens: the prefill is done
-            if starting_batch and self.planning is not None:  # a first price of forwards many tokens wide
-                self.planning.record_prefill(*input_ids.shape, time.perf_counter() - started)
+            finished += self._join(fresh, rows, logits)
         return finished
 
     def _join(self, request_ids: list[int], rows: BatchRows, logits: torch.Tensor) -> list[int]:

@@ -62,6 +62,7 @@ def decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, ge
         drafts = generator.propose(sequence, outputs)
         outputs, target_logits = _verify_forward(generator, runner, plan, sequence, drafts)
 
+    runner.finish()
     if streamer is not None:
         streamer.end()
     drafter.last_generation_stats = generator.stats

@@ -6,6 +6,12 @@ go through the target's compiled forward, as stock `generate` runs its decoding 
 generation_config.compile_config)` when `generate`'s own criteria allow compiling (a GPU, or a `compile_config` with
 `_compile_all_devices`; `disable_compile` turns it off). Each verification is padded to one of a few bucket lengths,
 so the compiled forward sees few shapes; the prefill runs eagerly, as in stock `generate`.
+
+A target with recurrent or convolution layers (Qwen3.5 / Qwen3-Next gated DeltaNet, LFM2 short convolutions,
+Nemotron-H Mamba-2) gets `RecurrentStateRunner`: such a layer holds one state that every verified token went into,
+so dropping the rejected drafts needs the state after exactly the accepted ones. It uses transformers' own past
+recording: each verification forward keeps the state after each of its tokens, and `crop` takes the accepted one
+(`benchmarks/results-hybrid-state-restore.md` measures it against restoring a snapshot and replaying).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
 
+from ..recurrent_states import has_recurrent_layers, keep_recurrent_states, stop_keeping_states
 from ..transformers_internals import use_static_layers
 
 
@@ -43,6 +50,54 @@ class DynamicTargetRunner:
         excess = self.cache.get_seq_length() - length
         if excess > 0:
             self.cache.crop(-excess)
+
+    def finish(self) -> None:
+        """The loop is done with the cache (it may be returned to the caller)."""
+
+
+class RecurrentStateRunner(DynamicTargetRunner):
+    """Eager forwards on a `DynamicCache` with recurrent or convolution layers (a hybrid target), exact after
+    rejected drafts.
+
+    The prefill runs as plain `generate`'s does (chunked kernels, windows trimmed). From then on the cache records
+    its past (`recurrent_states.keep_recurrent_states`): a verification forward of N tokens keeps a recurrent
+    layer's state after each of them (the layer runs those N tokens through its one-token kernel, the one plain
+    decoding steps use) and a convolution layer its whole input window, and `crop` hands each layer the state after
+    the last kept token, dropping the rest; attention layers crop their entries as usual. `crop` runs after every
+    forward, also when nothing was rejected: it trims the windows back to the kernel's size.
+
+    Args:
+        target, cache, layer_indices: as for `DynamicTargetRunner`.
+        longest: the most tokens a verification forward is expected to hold; a longer one raises the count kept.
+    """
+
+    def __init__(self, target, cache, layer_indices: list[int], longest: int):
+        self.target, self.cache, self.layer_indices = target, cache, layer_indices
+        self._kwargs = {"logits_to_keep": None} if target._supports_logits_to_keep() else {}
+        self.longest, self.kept = longest, 0  # states kept per forward: 0 until the prefill has run
+        self.length = 0  # cached positions, kept here (a recurrent layer's count is a device tensor)
+
+    def forward(self, tokens: torch.LongTensor, keep: int):
+        if self.length and tokens.shape[1] > self.kept:  # every forward after the prefill; the kept states are
+            self.kept = max(self.longest, tokens.shape[1])  # empty here (`crop` dropped them)
+            keep_recurrent_states(self.cache, self.kept)
+        out, logits = super().forward(tokens, keep)
+        self.length += tokens.shape[1]
+        return out, logits
+
+    def crop(self, length: int) -> None:
+        excess = self.length - length
+        if self.kept:
+            self.cache.crop(-excess)
+        elif excess:  # the prefill, which is never cropped back
+            raise RuntimeError("the prefill cannot be cropped on a cache with recurrent layers")
+        self.length = length
+
+    def finish(self) -> None:
+        """Keep only the newest states again, as stock `generate` leaves a cache it returns."""
+        if self.kept:
+            stop_keeping_states(self.cache)
+            self.kept = 0
 
 
 def verification_buckets(num_draft_slots: int, costs=None) -> tuple[int, ...]:
@@ -129,6 +184,9 @@ class StaticTargetRunner:
             self.cache.crop(length - self.length)
             self.length = length
 
+    def finish(self) -> None:
+        """The loop is done with the cache (it may be returned to the caller)."""
+
     def _eager(self, tokens, keep: int):
         kwargs = {"logits_to_keep": keep} if self._supports_logits_to_keep else {}
         return self.target(input_ids=tokens, cache=self.cache, use_cache=True,
@@ -194,10 +252,14 @@ def _static_capacity(cache, generation_config, buckets: tuple[int, ...] | None) 
 def target_runner_for(target, cache, generation_config, layer_indices: list[int], num_draft_slots: int | None = None,
                       cost_table=None):
     """The runner for this `generate` call: `StaticTargetRunner` on a `StaticCache` (compiled when `generate` would
-    compile its own decoding steps), else `DynamicTargetRunner`. `num_draft_slots` and `cost_table` set the bucket
-    lengths (`verification_buckets`); without them verifications are padded to powers of two."""
+    compile its own decoding steps), else `DynamicTargetRunner` (`RecurrentStateRunner` for a hybrid target).
+    `num_draft_slots` and `cost_table` set the bucket lengths (`verification_buckets`); without them verifications
+    are padded to powers of two."""
     if not isinstance(cache, StaticCache):
-        return DynamicTargetRunner(target, cache, layer_indices)
+        if not has_recurrent_layers(cache):
+            return DynamicTargetRunner(target, cache, layer_indices)
+        longest = max(verification_buckets(num_draft_slots, cost_table)) if num_draft_slots is not None else 1
+        return RecurrentStateRunner(target, cache, layer_indices, longest)
     buckets = verification_buckets(num_draft_slots, cost_table) if num_draft_slots is not None else None
     capacity = _make_full_length(target, cache, _static_capacity(cache, generation_config, buckets))
     # Asked after the layers are in place: generate's criteria read the cache (is it compilable?).
