@@ -123,7 +123,10 @@ def test_a_flat_machine_drafts_and_a_plain_winner_still_probes_the_drafter():
     flat = BatchRoundPlanner(RoundCosts(learn=False))  # no table, not learning: a flat machine, drafting is free
     assert flat.plan([RowOptions(3, [1.0], expected_tokens([0.1] * 3, 3))] * 2).use_drafter
     planner = BatchRoundPlanner(cpu_like_costs(), probe_every=4, max_probe_every=8)
-    poor = [RowOptions(4, [1.0], expected_tokens([0.1] * 4, 4))] * 2
+    measured_poor = [RowOptions(4, [1.0], expected_tokens([0.1] * 4, 4))] * 2  # its optimistic estimate is as poor
+    assert not any(planner.plan(measured_poor).use_drafter for _ in range(30))  # nothing left to find: no probe
+    planner = BatchRoundPlanner(cpu_like_costs(), probe_every=4, max_probe_every=8)
+    poor = [RowOptions(4, [1.0], expected_tokens([0.1] * 4, 4), drafter_optimistic=expected_tokens([1.0] * 4, 4))] * 2
     drafted = [planner.plan(poor).use_drafter for _ in range(30)]
     # Every 4th round probes, then every 8th once probes keep losing.
     assert drafted[:4] == [False, False, False, True]
@@ -180,7 +183,8 @@ def test_generate_route_plans_rounds_with_greedy_identity_and_stats():
 
 
 def test_no_drafter_pass_in_rounds_the_planner_makes_plain():
-    """Measured costs where drafts never pay: after the first rounds only probes run the drafter."""
+    """Prices at which drafting cannot pay even if every draft were accepted: the drafter never runs (not even a
+    probe), and every row is its plain greedy output."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "markov", block_size=4)
     drafter.generation_config.dspark_suffix_drafting = False
@@ -199,7 +203,7 @@ def test_no_drafter_pass_in_rounds_the_planner_makes_plain():
     for request, prompt in zip(ids, prompt_list):
         assert torch.equal(outputs[request], target.generate(prompt, do_sample=False, max_new_tokens=40)[0])
     rounds = len(engine.verified_tokens_per_round)
-    assert rounds > 30 and 0 < len(passes) <= 1 + rounds // 16, (len(passes), rounds)
+    assert rounds > 30 and passes == [], (len(passes), rounds)
 
 
 @pytest.mark.parametrize("kind", ["markov", "dflash"])

@@ -169,6 +169,7 @@ def test_batched_sampling_matches_target_distribution():
     # Sharpened confidences spread the survivals, and this cost table then verifies 0, 1 or 2 drafts per row in
     # the first round depending on every row's confidences: lengths vary within and across batches.
     drafter.config.confidence_temperatures = [0.05, 0.15, 0.15]
+    drafter.generation_config.dspark_round_planning = False  # the scheduler alone decides which rounds draft
     policy = DSparkScheduler(VerificationCostTable([45.0 + n for n in range(1, 201)]))
     prompt = torch.tensor([[1, 4, 2, 5]])
     temperature, top_p = 0.7, 0.9

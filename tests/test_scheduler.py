@@ -199,6 +199,7 @@ def test_two_steps_ago_batched_sampling_matches_target_distribution():
     target = tiny_target("llama", vocab_size=TINY_VOCAB, initializer_range=0.1, pad_token_id=None, bos_token_id=None)
     drafter = tiny_drafter(target, "markov", block_size=3)
     drafter.config.confidence_temperatures = [0.05, 0.15, 0.15]
+    drafter.generation_config.dspark_round_planning = False  # the scheduler alone decides which rounds draft
     batch = 40
     table = VerificationCostTable([1.0] * batch + [1.3 + 0.01 * n for n in range(3 * batch)])
     prompt = torch.tensor([[1, 4, 2, 5]])

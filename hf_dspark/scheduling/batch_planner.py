@@ -23,8 +23,9 @@ stay the table's.
 The drafter's expected tokens per row come from what verification accepted (`SlotAcceptance`: per draft slot, the
 chance it is accepted when the slots before it were), kept per request on top of the batch's pooled rates, so any
 drafter kind is priced by what it really achieves. A drafter that has not run for `probe_every` rounds runs once to
-refresh its estimate, verifying at most `probe_width` tokens per row (a probe is a round expected to lose); each probe
-that does not win doubles the wait up to `max_probe_every`.
+refresh its estimate, verifying at most `probe_width` tokens per row (a probe is a round expected to lose), as long as
+its optimistic estimate (`RowOptions.drafter_optimistic`: what few measurements leave possible) could still win;
+each probe that does not win doubles the wait up to `max_probe_every`.
 
 Lossless: every choice depends on earlier rounds (and on a row's own committed text, for suffix proposals), never on
 this round's drafts; the verifier's rule keeps every row's output exactly the target's.
@@ -184,6 +185,7 @@ class RowOptions:
     suffix_expected: list[float] = field(default_factory=lambda: [1.0])
     drafter_expected: list[float] = field(default_factory=lambda: [1.0])
     weight: float = 1.0
+    drafter_optimistic: list[float] | None = None  # the same, optimistic (what a probe could still find); None: as is
 
 
 @dataclass
@@ -238,12 +240,20 @@ class BatchRoundPlanner:
         if best.use_drafter or best_drafter is None:
             self._drafter_ran(best.use_drafter, won=True)
             return best
-        if self.rounds_without_drafter + 1 >= self.probe_interval:
+        if self.rounds_without_drafter + 1 >= self.probe_interval and self._worth_probing(options, best_drafter.width,
+                                                                                          bar):
             # A probe costs a round that does not pay; while probes keep finding that, probe half as often.
             self._drafter_ran(True, won=False)
             return best_drafter
         self._drafter_ran(False, won=False)
         return best
+
+    def _worth_probing(self, options: list[RowOptions], width: int, bar: float) -> bool:
+        """Whether the drafter's optimistic estimate (few observations leave much to find) could still beat the best
+        round at a probe's width: once many probes have measured a drafter that does not pay here, none is run."""
+        optimistic = [RowOptions(row.budget, [1.0], row.drafter_optimistic or row.drafter_expected, row.weight)
+                      for row in options]
+        return self._candidate(optimistic, width, use_drafter=True).expected_rate > bar
 
     def _drafter_ran(self, ran: bool, won: bool) -> None:
         if not ran:

@@ -44,7 +44,9 @@ def write_problem(error: BaseException, folder: str | os.PathLike, saving: bool 
     that only saves files) a disk left with under 1 MiB free counts as the cause too."""
     folder = Path(folder)
     if isinstance(error, OSError) and error.errno in _CAUSES:
-        if error.filename is None or _inside(error.filename, folder) or _inside(folder, Path(error.filename)):
+        # A copy names its source first and the file it was writing second (`filename2`): either may be ours.
+        named = [name for name in (error.filename, getattr(error, "filename2", None)) if name is not None]
+        if not named or any(_inside(name, folder) or _inside(folder, Path(os.fsdecode(name))) for name in named):
             return _CAUSES[error.errno]
         return None
     if isinstance(error, (RuntimeError, OSError)) or type(error).__name__ == "SafetensorError":

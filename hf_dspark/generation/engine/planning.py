@@ -17,7 +17,7 @@ import torch
 from ...scheduling.batch_planner import (DRAFTER, NO_DRAFT, SUFFIX, BatchRoundPlanner, RoundCosts, RowOptions,
                                         RoundPlan, SlotAcceptance, expected_tokens)
 from ...scheduling.round_planner import SuffixAcceptance
-from .rows import to_device
+from .rows import pad_to, to_device
 from ..round.drafting import Drafts, one_hot_probs
 from ..round.suffix import SuffixProposer
 
@@ -25,6 +25,7 @@ from ..round.suffix import SuffixProposer
 # pooled estimate's own prior (an even chance per slot, one observation: the drafter is tried early).
 _REQUEST_PRIOR_WEIGHT = 4.0
 _POOL_PRIOR, _POOL_PRIOR_WEIGHT = 0.5, 1.0
+_OPTIMISM_WEIGHT = 2.0
 
 
 class RequestProposals:
@@ -75,6 +76,9 @@ class EngineRoundPlanning:
             return RoundPlan(drafting, [DRAFTER if drafting and b > 0 else NO_DRAFT for b in budgets],
                              list(budgets) if drafting else [0] * len(budgets))
         pooled = self.pool.pooled_rates(_POOL_PRIOR, _POOL_PRIOR_WEIGHT)
+        # Two pseudo-observations of acceptance per slot on top of what the batch measured: an upper estimate that
+        # stays high until probes have measured enough, then falls to the measured rates.
+        optimistic = self.pool.rates([1.0] * self.slots, _OPTIMISM_WEIGHT)
         left = [request.max_new_tokens - request.emitted for request in requests]
         weights = [n / max(left) for n in left] if self.finish_together else [1.0] * len(left)
         options = []
@@ -87,7 +91,7 @@ class EngineRoundPlanning:
             suffix = [own.suffix.expected_tokens(match, m) for m in range(len(own.proposal) + 1)] \
                 if own.proposal else [1.0]
             drafted = expected_tokens(own.acceptance.rates(pooled, _REQUEST_PRIOR_WEIGHT), budget)
-            options.append(RowOptions(budget, suffix, drafted, weight))
+            options.append(RowOptions(budget, suffix, drafted, weight, expected_tokens(optimistic, budget)))
         return self.planner.plan(options, drafter_possible)
 
     def drafted(self) -> float:
@@ -127,22 +131,13 @@ def with_suffix_drafts(drafts: Drafts, suffix_rows: dict[int, list[int]], num_ro
         host_lengths[row], is_suffix[row] = len(tokens), True
     suffix_tokens = host_tokens.to(device, non_blocking=True)
     is_suffix = is_suffix.to(device, non_blocking=True)
-    tokens = _padded(drafts.tokens, width, 1)
+    tokens = pad_to(drafts.tokens, width, 1)
     tokens = torch.where(is_suffix[:, None], suffix_tokens, tokens)
     lengths = torch.where(is_suffix, host_lengths.to(device, non_blocking=True), drafts.lengths)
     probs = None
     if sampled:
         vocab = drafts.probs.shape[-1] if drafts.probs is not None else vocab_size
         base = drafts.probs if drafts.probs is not None else torch.zeros(num_rows, 0, vocab, device=device)
-        probs = torch.where(is_suffix[:, None, None], one_hot_probs(suffix_tokens, vocab), _padded(base, width, 1))
+        probs = torch.where(is_suffix[:, None, None], one_hot_probs(suffix_tokens, vocab), pad_to(base, width, 1))
     confidences = drafts.confidences
     return Drafts(tokens, probs, lengths, confidences)
-
-
-def _padded(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    missing = width - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)

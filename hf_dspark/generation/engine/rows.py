@@ -27,7 +27,7 @@ def to_device(values: list[int], device, dtype=torch.long) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def _pad_to(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+def pad_to(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     """Pad `tensor` with zeros (False) at the end of `dim` up to `width` entries: holes."""
     missing = width - tensor.shape[dim]
     if missing <= 0:
@@ -40,7 +40,7 @@ def _pad_to(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 def _cat_rows(first: torch.Tensor, second: torch.Tensor, dim: int) -> torch.Tensor:
     """Stack two row blocks along dim 0, padding the narrower one with holes along `dim`."""
     width = max(first.shape[dim], second.shape[dim])
-    return torch.cat([_pad_to(first, width, dim), _pad_to(second, width, dim)], dim=0)
+    return torch.cat([pad_to(first, width, dim), pad_to(second, width, dim)], dim=0)
 
 
 def _columns(used: list[bool], device) -> torch.LongTensor | None:

@@ -30,6 +30,7 @@ from ..target_info import EMBEDDING_OUTPUT
 from ..configuration_dspark import DSparkDraftConfig
 from ..modeling_dspark import DSparkDraftModel
 from ..weight_files import check_fits_before_building, read_checkpoint_tensors
+from .qwen3_shell import dspark_config
 
 FORMAT = "zlab_dflash"
 
@@ -217,20 +218,11 @@ def _our_config(config: dict, settings: dict, qwen3, source: str) -> DSparkDraft
         raise DrafterLoadError(f"{source} has target_layer_ids={layer_ids!r}: expected a list of decoder layer "
                                "indices (0, 1, ...; -1 for the embedding output).")
     optional = _optional_settings(config, settings, qwen3, source)
-    try:
-        return DSparkDraftConfig(
-            vocab_size=qwen3.vocab_size, hidden_size=qwen3.hidden_size, intermediate_size=qwen3.intermediate_size,
-            num_hidden_layers=qwen3.num_hidden_layers, num_attention_heads=qwen3.num_attention_heads,
-            num_key_value_heads=qwen3.num_key_value_heads, head_dim=qwen3.head_dim, hidden_act=qwen3.hidden_act,
-            rms_norm_eps=qwen3.rms_norm_eps, max_position_embeddings=qwen3.max_position_embeddings,
-            rope_parameters=dict(qwen3.rope_parameters), attention_bias=bool(qwen3.attention_bias), qk_norm=True,
-            block_size=block_size, sample_from_anchor=False, target_layer_ids=list(layer_ids),
-            target_num_hidden_layers=depth if isinstance(depth, int) else None, target_model_type=None,
-            mask_token_id=mask_token_id, markov_head=None, markov_rank=0, confidence_head=False,
-            initializer_range=qwen3.initializer_range, **optional,
-        )
-    except (ValueError, TypeError, StrictDataclassError) as error:  # the last: DSparkDraftConfig's own checks
-        raise DrafterLoadError(f"{source} does not describe a drafter hf_dspark can build ({error}).") from None
+    return dspark_config(qwen3, source, block_size=block_size, sample_from_anchor=False,
+                         target_layer_ids=list(layer_ids),
+                         target_num_hidden_layers=depth if isinstance(depth, int) else None,
+                         mask_token_id=mask_token_id, markov_head=None, markov_rank=0, confidence_head=False,
+                         **optional)
 
 
 def zlab_default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
