@@ -61,9 +61,38 @@ def test_planner_prices_plain_steps_suffix_proposals_and_the_drafter():
     assert statistics.probe_interval == 16
     statistics.suffix = SuffixAcceptance(prior_accepted=1, prior_rejected=9)  # rate 0.1: 1.11 tokens for 2 s
     assert planner.choose([4, 5], 1) == ("none", 0)
-    flat = RoundPlanner(None, has_confidences=False, statistics=ProposalStatistics())
-    flat.record_drafter_accepted(0, 3)
-    assert flat.choose([], 0) == ("drafter", 0)  # flat costs: a draft is always worth verifying
+    for untimed in (dict(learn_costs=False), dict(timed=False)):  # nothing measured: flat costs
+        flat = RoundPlanner(None, has_confidences=False, statistics=ProposalStatistics(), **untimed)
+        flat.record_drafter_accepted(0, 3)
+        flat.record_forward(1, 5.0)
+        flat.record_forward(1, 5.0)
+        assert flat.choose([], 0) == ("drafter", 0)  # flat costs: a draft is always worth verifying
+
+
+def test_without_a_table_the_planner_prices_rounds_from_its_own_timings():
+    """No cost table (a library user's default): plain steps first, timed; then each proposal is priced with the
+    forward sizes and drafter passes this loop measured, so a drafter that does not pay for its pass brakes."""
+    statistics = ProposalStatistics(suffix=SuffixAcceptance(prior_accepted=9, prior_rejected=1))  # rate 0.9
+    planner = RoundPlanner(None, has_confidences=True, statistics=statistics, probe_every=4)
+    assert planner.choose([4, 5, 6], 3) == ("none", 0)  # no plain step timed yet: time one first
+    planner.record_forward(1, 9.0)  # a size's first run (cold caches) is not counted
+    assert planner.choose([4, 5, 6], 3) == ("none", 0)
+    planner.record_forward(1, 1.0)
+    assert statistics.forward_seconds == {1: 1.0}
+    assert planner.choose([], 0) == ("drafter", 0)  # never measured: run it
+    planner.record_draft(5.0)
+    planner.record_draft(1.0)  # the drafter's pass costs a plain step
+    planner.record_forward(4, 5.0)
+    planner.record_forward(4, 1.5)
+    assert planner.forward_seconds(4) == 1.5 and planner.forward_seconds(3) == pytest.approx(4 / 3)
+    planner.record_drafter([0.6, 0.5, 0.5])  # 1 + 0.6 + 0.3 + 0.15 = 2.05 tokens for 1 + 1.5 s: below a plain step
+    assert planner.drafter_rate() == pytest.approx(2.05 / 2.5)
+    assert planner.choose([], 0) == ("none", 0)
+    # the suffix's 3 tokens at 0.9: 1 + 0.9 + 0.81 + 0.73 = 3.44 tokens for 1.5 s beat a plain step
+    assert planner.choose([7, 8, 9], 2) == ("suffix", 3)
+    for _ in range(3):  # the pass got cheap (load fell; smoothed): 2.05 tokens for under 1.95 s beat a plain step
+        planner.record_draft(0.1)
+    assert planner.choose([], 0) == ("drafter", 0)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -139,7 +139,7 @@ class RoundCosts:
         if rows in self.plain:
             return self.plain[rows]
         if self.plain:
-            return _interpolated(self.plain, rows)
+            return interpolated(self.plain, rows)
         return self._tabled(rows) if self.cost_table is not None else 1.0
 
     def forward_seconds(self, rows: int, width: int) -> float:
@@ -154,14 +154,14 @@ class RoundCosts:
 
     def draft_seconds(self, rows: int) -> float:
         if self.draft_ratio:
-            return self.plain_seconds(rows) * _interpolated(self.draft_ratio, rows)
+            return self.plain_seconds(rows) * interpolated(self.draft_ratio, rows)
         return self.cost_table.draft_seconds if self.cost_table is not None else 0.0
 
     def _tabled(self, tokens: int) -> float:
         return self.cost_table.round_seconds(tokens) - self.cost_table.draft_seconds
 
 
-def _interpolated(points: dict[int, float], x: int) -> float:
+def interpolated(points: dict[int, float], x: int) -> float:
     """Linear in x between measured points, flat beyond them."""
     keys = sorted(points)
     if x <= keys[0]:

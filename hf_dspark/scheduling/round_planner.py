@@ -17,6 +17,7 @@ from pathlib import Path
 from ..models.config_checks import is_finite_number
 from ..models.errors import UserInputError
 from ..models.json_files import read_json
+from .batch_planner import interpolated
 from .cost_table import VerificationCostTable
 
 DRAFTER, SUFFIX, NO_DRAFT = "drafter", "suffix", "none"
@@ -37,8 +38,12 @@ class RoundPlanner:
     Costs come from the `VerificationCostTable`, corrected by what this loop measured (`record_forward`,
     `record_draft`): a profile taken once under other load, context length or sampling settings can misprice a round
     (in bfloat16 on a CPU the drafter's pass costs about twice what the table says), and a round that looks cheap
-    but is not makes the main job slower than plain decoding. Without a table every forward costs the same and
-    drafting nothing (a GPU-like machine), so the drafter or a suffix proposal always beats a plain step.
+    but is not makes the main job slower than plain decoding. Without a table the loop prices rounds from what it
+    measured alone: the first rounds are plain steps (the price every proposal must beat; a size's first run is not
+    counted), forward sizes not timed yet are interpolated between those that were (flat beyond them), the drafter
+    costs what its pass took. Where nothing can be timed (`timed` False: an accelerator without
+    `dspark_time_phases`) or `learn_costs` is False, every forward costs the same and drafting nothing (a GPU-like
+    machine), so the drafter or a suffix proposal always beats a plain step.
 
     A drafter that has not run for `probe_every` rounds runs once to refresh its estimate; each probe that does not
     win doubles the wait, up to `max_probe_every`, and a drafter chosen on its merits resets it. Whatever is chosen,
@@ -49,9 +54,11 @@ class RoundPlanner:
 
     def __init__(self, cost_table: VerificationCostTable | None, has_confidences: bool, statistics: "ProposalStatistics",
                  probe_every: int = 16, max_probe_every: int = 64, smoothing: float = 0.5, margin: float = 1.05,
-                 cost_smoothing: float = 0.3, learn_costs: bool = True):
+                 cost_smoothing: float = 0.3, learn_costs: bool = True, timed: bool = True):
         self.cost_table, self.has_confidences, self.statistics = cost_table, has_confidences, statistics
-        self.learn_costs = learn_costs
+        self.learn_costs = learn_costs and timed
+        # No table and nothing timed: flat costs, drafting free. No table but timed: priced by measures alone.
+        self.flat = cost_table is None and not self.learn_costs
         self._seen: set = set()  # forward sizes (and "draft") timed once in this call
         self.probe_every, self.max_probe_every = probe_every, max(max_probe_every, probe_every)
         self.smoothing, self.margin = smoothing, margin
@@ -64,10 +71,12 @@ class RoundPlanner:
         """Seconds of the target forward verifying `num_tokens` tokens (padded to the table's cheapest size): as
         measured in this loop where that size ran, else the table's figure scaled by how the measured sizes
         compare with theirs (the level moves with load and context length; the table keeps the shape)."""
-        if self.cost_table is None:
-            return 1.0
-        size = self.cost_table.padded_tokens(num_tokens)
         measured = self.statistics.forward_seconds
+        if self.cost_table is None:
+            if self.flat or not measured:
+                return 1.0
+            return measured.get(num_tokens) or interpolated(measured, num_tokens)
+        size = self.cost_table.padded_tokens(num_tokens)
         if size in measured:
             return measured[size]
         tabled = self._tabled_forward_seconds(size)
@@ -78,10 +87,10 @@ class RoundPlanner:
 
     def draft_seconds(self) -> float:
         """Seconds the drafter spends per round: measured when it has run, else the table's."""
-        if self.cost_table is None:
-            return 0.0
         measured = self.statistics.draft_seconds
-        return self.cost_table.draft_seconds if measured is None else measured
+        if measured is not None and not self.flat:
+            return measured
+        return self.cost_table.draft_seconds if self.cost_table is not None else 0.0
 
     def round_rate(self, expected: float, num_tokens: int) -> float:
         """Expected tokens per second of a drafter round verifying `num_tokens` tokens."""
@@ -89,7 +98,7 @@ class RoundPlanner:
 
     def record_forward(self, num_tokens: int, seconds: float) -> None:
         """A verification forward over `num_tokens` tokens (padding included) took `seconds` of wall time."""
-        if not self.learn_costs or self.cost_table is None or num_tokens > self.cost_table.max_tokens:
+        if not self.learn_costs or (self.cost_table is not None and num_tokens > self.cost_table.max_tokens):
             return  # flat costs are not priced; a prefill is not a round
         if self._warmed_up(num_tokens):
             measured = self.statistics.forward_seconds
@@ -97,7 +106,7 @@ class RoundPlanner:
 
     def record_draft(self, seconds: float) -> None:
         """A drafter round's own pass (backbone, sequential head, sampling; Eagle3's steps) took `seconds`."""
-        if not self.learn_costs or self.cost_table is None:
+        if not self.learn_costs:
             return
         if self._warmed_up("draft"):
             statistics = self.statistics
@@ -128,15 +137,18 @@ class RoundPlanner:
 
     def choose(self, proposal: list[int], match_length: int) -> tuple[str, int]:
         """(DRAFTER | SUFFIX | NO_DRAFT, suffix tokens to verify)."""
+        statistics = self.statistics
+        if self.cost_table is None and not self.flat and 1 not in statistics.forward_seconds:
+            statistics.rounds_without_drafter += 1
+            return NO_DRAFT, 0  # priced by measures alone: time a plain step first, the price proposals must beat
         # A proposal must beat a plain step by `margin`: its rate is an estimate, and a plain step's is measured.
         best, source, length = self.margin / self.forward_seconds(1), NO_DRAFT, 0
-        if self.cost_table is None:
+        if self.flat:
             best = 0.0  # flat costs: any proposal is worth verifying
         for m in range(1, len(proposal) + 1):
             rate = self.statistics.suffix.expected_tokens(match_length, m) / self.forward_seconds(m + 1)
             if rate > best:
                 best, source, length = rate, SUFFIX, m
-        statistics = self.statistics
         interval = statistics.probe_interval or self.probe_every
         if self.drafter_rate() > best:
             source, length, statistics.probe_interval = DRAFTER, 0, self.probe_every

@@ -70,10 +70,10 @@ class DraftingPlan:
     def length_rule(self) -> DraftLengthRule:
         return DraftLengthRule(self.policy, self.policy_arg, self.settings.confidence_threshold_rule)
 
-    def round_planner(self) -> RoundPlanner:
-        """Batch 1: which proposer each round uses, learning into the call's state."""
+    def round_planner(self, timed: bool = True) -> RoundPlanner:
+        """Batch 1: which proposer each round uses, learning into the call's state (from timings where `timed`)."""
         return RoundPlanner(self.settings.cost_table, self.has_confidences, self.state.statistics,
-                            learn_costs=self.settings.learn_round_costs)
+                            learn_costs=self.settings.learn_round_costs, timed=timed)
 
     def stop_rule(self) -> HostStoppingRule | None:
         return HostStoppingRule.from_limits(self.stop_limits)

@@ -9,7 +9,7 @@ call's own keyword arguments.
 | `dspark_suffix_drafting` | config | batch 1: also propose suffix matches over the text so far |
 | `dspark_round_planning` | True | batch 1: pick drafter / suffix / plain step per round, from earlier rounds |
 | `dspark_cost_table` | None | a `VerificationCostTable` (or its JSON path): schedule draft lengths by throughput |
-| `dspark_learn_round_costs` | True | batch 1: price rounds with what this loop measures, the table filling gaps |
+| `dspark_learn_round_costs` | True | price rounds with what the loop measures (plain steps first without a table), the table filling gaps |
 | `dspark_verification_policy` | None | `"all"`, `("fixed", k)`, `("threshold", t)`, a scheduler; None derives it |
 | `dspark_time_phases` | None | record per-phase seconds (None: on the CPU only) |
 | `dspark_state` | a new one | the `DraftingState` the call learns into (per call only, never saved) |

@@ -55,7 +55,7 @@ class DraftCandidateGenerator:
         self._round_confidences: list[float] = []
         self._round_source = NO_DRAFT
         self.suffix = (SuffixProposer(plan.state.statistics.suffix) if plan.settings.suffix_drafting else None)
-        self.planner = plan.round_planner()
+        self.planner = plan.round_planner(timed=self.clock.enabled)
 
     @torch.no_grad()
     def propose(self, input_ids: torch.LongTensor, model_outputs) -> Drafts:
