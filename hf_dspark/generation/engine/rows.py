@@ -13,7 +13,7 @@ columns there, and each of these operations copies a layer once).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -81,6 +81,9 @@ class BatchRows:
     # (R, M) the token after each queued entry (Eagle3's context rows pair a feature with it); a row's newest entry
     # is followed by its anchor, which may be unknown when the entry is queued (see `next_tokens`)
     pending_tokens: torch.LongTensor
+    # Storage with spare columns that `pending` is a prefix of: rounds that leave the drafter idle append their
+    # features in place instead of copying the whole queue (a prompt's features included) every step.
+    _pending_storage: torch.Tensor | None = field(default=None, repr=False)
 
     _PER_ROW = ("request", "anchor", "target_valid", "target_length", "draft_valid", "pending", "pending_valid",
                 "pending_positions", "pending_tokens")
@@ -170,12 +173,27 @@ class BatchRows:
         features = torch.where(valid[..., None], features[:, :width], 0.0)
         positions, tokens = positions[:, :width], tokens[:, :width]
         if self.pending.shape[1]:
-            features = torch.cat([self.pending, features], dim=1)
+            features = self._appended_features(features)
             valid = torch.cat([self.pending_valid, valid], dim=1)
             positions = torch.cat([self.pending_positions, positions], dim=1)
             tokens = torch.cat([self.pending_tokens, tokens], dim=1)
         self.pending, self.pending_valid, self.pending_positions = features, valid, positions
         self.pending_tokens = tokens
+
+    def _appended_features(self, features: torch.Tensor) -> torch.Tensor:
+        """`pending` with `features` appended along dim 1, written into `_pending_storage` when `pending` is its prefix
+        and it has room (else into new storage with spare columns): amortised, each column is copied about once.
+        Only columns after `pending` are written, so a tensor `pending` was before keeps its values."""
+        queued, storage = self.pending, self._pending_storage
+        needed = queued.shape[1] + features.shape[1]
+        if not (storage is not None and queued.data_ptr() == storage.data_ptr() and queued.shape[0] == storage.shape[0]
+                and queued.shape[2:] == storage.shape[2:] and queued.stride() == storage.stride()
+                and storage.shape[1] >= needed and queued.dtype == features.dtype):
+            storage = queued.new_empty(queued.shape[0], needed + max(32, needed // 2), *queued.shape[2:])
+            storage[:, : queued.shape[1]] = queued
+            self._pending_storage = storage
+        storage[:, queued.shape[1] : needed] = features
+        return storage[:, :needed]
 
     def newest_entries(self) -> torch.BoolTensor:
         """(R, M) the queued entry of each row right before its anchor. An Eagle3 drafter keeps one per row queued
@@ -191,3 +209,4 @@ class BatchRows:
         """The queued context went into the drafter's cache: nothing is queued any more."""
         self.pending, self.pending_valid = self.pending[:, :0], self.pending_valid[:, :0]
         self.pending_positions, self.pending_tokens = self.pending_positions[:, :0], self.pending_tokens[:, :0]
+        self._pending_storage = None  # what was queued may still be read by whoever took it: never overwrite it
