@@ -39,12 +39,12 @@ def cpu_like_costs(rows_widths=((2, 1), (2, 5), (3, 1), (3, 5))) -> RoundCosts:
 
 def test_round_costs_are_a_plain_step_and_ratios_to_it():
     costs = RoundCosts()
-    assert not costs.knows_plain() and not costs.knows_slope()
+    assert not costs.knows_plain() and not costs.knows_widths()
     costs.record_forward(2, 1, 5.0)  # a shape's first run warms caches: not counted
     assert not costs.knows_plain()
     costs.record_forward(2, 4, 0.8)
     costs.record_forward(2, 4, 0.8)  # nothing to relate a wide forward to yet: not learnt from
-    assert costs.slope is None
+    assert not costs.widening
     costs.record_forward(2, 1, 0.2)
     costs.record_forward(4, 1, 0.3)
     costs.record_forward(4, 1, 0.3)
@@ -53,7 +53,13 @@ def test_round_costs_are_a_plain_step_and_ratios_to_it():
     assert costs.forward_seconds(8, 1) == 0.3  # beyond: flat
     assert costs.forward_seconds(2, 4) == 0.2  # no wider forward timed: flat, and the planner keeps rounds narrow
     costs.record_forward(2, 4, 0.8)  # 4x the plain step at 3 extra tokens per row: each adds 100%
-    assert costs.slope == pytest.approx(1.0) and costs.forward_seconds(4, 3) == pytest.approx(0.9)
+    assert costs.widening == {(2, 4): pytest.approx(4.0)} and costs.forward_seconds(4, 3) == pytest.approx(0.9)
+    assert costs.forward_seconds(4, 6) == pytest.approx(1.8)  # beyond the widest measured: the rise continues
+    costs.record_forward(4, 2, 0.48)
+    costs.record_forward(4, 2, 0.48)  # at 4 rows the second token per row costs 60 %: the nearest row count's
+    assert costs.forward_seconds(4, 3) == pytest.approx(0.3 * 2.2) and costs.forward_seconds(5, 3) == 0.3 * 2.2
+    assert costs.forward_seconds(3, 4) == pytest.approx(0.25 * 4.0)  # as near to 2 rows as to 4: the fewer's
+    assert costs.forward_seconds(2, 3) == pytest.approx(0.2 * 3.0)  # at 2 rows its own widths: 1, then 4 at W = 4
     costs.record_draft(4, 0.15)
     costs.record_draft(4, 0.15)
     assert costs.draft_seconds(4) == pytest.approx(0.15) and costs.draft_seconds(2) == pytest.approx(0.1)
@@ -64,7 +70,7 @@ def test_round_costs_are_a_plain_step_and_ratios_to_it():
     assert costs.forward_seconds(2, 1) == 0.1
     table = VerificationCostTable([1.0, 2.0, 3.0, 4.0], draft_seconds=0.5)
     tabled = RoundCosts(table)
-    assert tabled.forward_seconds(1, 3) == 3.0 and tabled.draft_seconds(2) == 0.5 and tabled.knows_slope()
+    assert tabled.forward_seconds(1, 3) == 3.0 and tabled.draft_seconds(2) == 0.5 and tabled.knows_widths()
     tabled.record_forward(1, 1, 2.0)
     tabled.record_forward(1, 1, 2.0)  # this machine runs at twice the table's times
     assert tabled.forward_seconds(1, 3) == pytest.approx(6.0)
@@ -193,8 +199,8 @@ def test_no_drafter_pass_in_rounds_the_planner_makes_plain():
     engine = SpeculativeEngine(target, drafter)
     costs = engine.planning.costs
     costs.learn = False  # keep these prices whatever the rounds measure
-    costs.slope = 1.0  # each verified token costs as much as a plain step
     for rows in range(1, 4):
+        costs.widening[rows, 2] = 2.0  # each verified token costs as much as a plain step
         costs.plain[rows] = 0.01 * rows
         costs.draft_ratio[rows] = 5.0
     prompt_list = prompts(3, length=6)

@@ -14,7 +14,7 @@ without the drafter: R tokens for F(R, 1). A proposal must beat the plain step b
 step is measured). When the best option is the plain step, no row drafts and the drafter does not run.
 
 Costs are learnt by the loop (`RoundCosts`), timed between the host reads the engine makes anyway: a plain step's
-seconds per row count, and, relative to it, what each verified token adds and what the drafter's pass costs. The
+seconds per row count, and, relative to it, what each width of forward and the drafter's pass cost. The
 first round is a plain step; until a wider forward has been timed, rounds verify at most `probe_width` tokens per
 row. A cost table, when given, prices what was not measured yet. With a table and nothing learnt (or
 `learn=False` without a table: every forward costs the same and drafting is free, a GPU-like machine) the prices
@@ -79,22 +79,24 @@ def expected_tokens(rates: list[float], num_tokens: int) -> list[float]:
 
 
 class RoundCosts:
-    """What a round costs, as a plain step's seconds per row count and two ratios to it, so that a change of load
+    """What a round costs, as a plain step's seconds per row count and ratios to it, so that a change of load
     (which scales every forward alike) moves one measured figure, not every shape's:
 
-        F(R, W) = plain(R) * (1 + slope * (W - 1))      the target forward, R rows of W tokens
+        F(R, W) = plain(R) * widening(R, W)             the target forward, R rows of W tokens
         D(R)    = plain(R) * draft_ratio(R)             the drafter's pass over R rows
 
     `plain(R)` is measured in this loop (smoothed; a burst clipped at twice the estimate; a shape's first run, which
     may warm caches, not counted; lowered by any wider forward that ran faster), else interpolated over
-    the row counts measured (flat beyond them), else the cost table's (R tokens), else 1. `slope` (what each token
-    a row verifies beyond its first adds, as a share of the plain step) is learnt from every wider forward, else the
-    table's, else 0 (a flat machine): `knows_slope` tells the planner whether wide rounds are priced from a measure."""
+    the row counts measured (flat beyond them), else the cost table's (R tokens), else 1. `widening(R, W)` is learnt
+    per shape from every wider forward: at the row count measured nearest to R, linear between the widths measured
+    there (1 at W = 1), the last rise continued beyond the widest (a forward's cost is not linear in its width: on a
+    CPU going from 1 to 2 tokens per row costs more than from 2 to 3); else the table's, else 1 (a flat machine).
+    `knows_widths` tells the planner whether wide rounds are priced from a measure."""
 
     def __init__(self, cost_table: VerificationCostTable | None = None, learn: bool = True, smoothing: float = 0.3):
         self.cost_table, self.learn, self.smoothing = cost_table, learn, smoothing
         self.plain: dict[int, float] = {}
-        self.slope: float | None = None
+        self.widening: dict[tuple[int, int], float] = {}  # (rows, width) -> F(R, W) / plain(R), as measured
         self.draft_ratio: dict[int, float] = {}
         self._seen: set = set()
 
@@ -107,8 +109,8 @@ class RoundCosts:
             if rows in self.plain and seconds < self.plain[rows]:
                 # A wider forward never costs less than a plain step: the plain estimate is stale (load fell).
                 self.plain[rows] = seconds
-            slope = max(seconds / self.plain_seconds(rows) - 1.0, 0.0) / (width - 1)
-            self.slope = slope if self.slope is None else self.slope + self.smoothing * (slope - self.slope)
+            ratio = max(seconds / self.plain_seconds(rows), 1.0)
+            self.widening[rows, width] = self._smoothed(self.widening.get((rows, width)), ratio)
 
     def record_draft(self, rows: int, seconds: float) -> None:
         if self.learn and self.knows_plain() and not self._first_run(("draft", rows)):
@@ -132,8 +134,8 @@ class RoundCosts:
         """Whether a plain step has a price: measured, tabled, or fixed (not learning: flat without a table)."""
         return bool(self.plain) or self.cost_table is not None or not self.learn
 
-    def knows_slope(self) -> bool:
-        return self.slope is not None or self.cost_table is not None or not self.learn
+    def knows_widths(self) -> bool:
+        return bool(self.widening) or self.cost_table is not None or not self.learn
 
     def plain_seconds(self, rows: int) -> float:
         if rows in self.plain:
@@ -146,8 +148,10 @@ class RoundCosts:
         plain = self.plain_seconds(rows)
         if width == 1:
             return plain
-        if self.slope is not None:
-            return plain * (1.0 + self.slope * (width - 1))
+        if self.widening:
+            nearest = min({r for r, _ in self.widening}, key=lambda r: (abs(r - rows), r))
+            measured = {w: ratio for (r, w), ratio in self.widening.items() if r == nearest}
+            return plain * extended({1: 1.0, **measured}, width)
         if self.cost_table is not None:
             return plain * self._tabled(rows * width) / self._tabled(rows)
         return plain
@@ -159,6 +163,15 @@ class RoundCosts:
 
     def _tabled(self, tokens: int) -> float:
         return self.cost_table.round_seconds(tokens) - self.cost_table.draft_seconds
+
+
+def extended(points: dict[int, float], x: int) -> float:
+    """Linear in x between measured points; beyond the last, its last segment's rise (never a fall) continues."""
+    keys = sorted(points)
+    if x <= keys[-1] or len(keys) == 1:
+        return interpolated(points, x)
+    rise = max(points[keys[-1]] - points[keys[-2]], 0.0) / (keys[-1] - keys[-2])
+    return points[keys[-1]] + rise * (x - keys[-1])
 
 
 def interpolated(points: dict[int, float], x: int) -> float:
@@ -221,9 +234,9 @@ class BatchRoundPlanner:
         rows = len(options)
         if not self.costs.knows_plain():  # the first round: a plain step, the price every other one is relative to
             return RoundPlan(False, [NO_DRAFT] * rows, [0] * rows)
-        # Until a wider forward was timed, rounds stay as narrow as a probe: the first wide one measures the slope.
+        # Until a wider forward was timed, rounds stay as narrow as a probe: the first wide one measures widening.
         widest = min(max(row.budget for row in options) + 1,
-                     self.probe_width if not self.costs.knows_slope() else self.max_width)
+                     self.probe_width if not self.costs.knows_widths() else self.max_width)
         plain_tokens = sum(row.weight for row in options)
         best = RoundPlan(False, [NO_DRAFT] * rows, [0] * rows, plain_tokens / self.costs.forward_seconds(rows, 1))
         bar = best.expected_rate * self.margin  # a proposal must beat the plain step by the margin
