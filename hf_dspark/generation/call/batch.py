@@ -191,7 +191,7 @@ def batched_speculative_generate(
     the same rounds for requests that arrive over time.
 
     Args:
-        target: a decoder-only causal LM with full attention on every layer (sdpa or eager).
+        target: a decoder-only causal LM (see `SpeculativeEngine`: every family and attention it runs).
         drafter: a `DSparkDraftModel` or `Eagle3DraftModel` trained for `target` (attached here).
         input_ids, attention_mask: (R, P) left-padded prompts and their mask.
         policy: how many drafted slots each row verifies per round:

@@ -12,20 +12,11 @@ from ..call.plan import DraftingPlan
 from ..call.settings import checked_draft_length
 from ..transformers_internals import attention_layer_types, growing_cache
 
-_HOLE_SAFE_ATTENTION = ("sdpa", "eager")
-
-
 def check_target(target) -> None:
-    """Refuse a target the engine cannot run, before any work."""
+    """Refuse a target the engine cannot run, before any work. Any attention implementation runs: one that cannot
+    take the engine's hole masks (flash attention) runs as sdpa inside its forwards (`mask_taking_attention`)."""
     if target.config.is_encoder_decoder:
         raise ValueError("hf_dspark's engine serves decoder-only targets; this target is encoder-decoder.")
-    implementation = target.config._attn_implementation
-    if implementation not in _HOLE_SAFE_ATTENTION:
-        raise ValueError(
-            f"Batched decoding keeps holes in the target cache, which needs an attention that takes an arbitrary "
-            f"padding mask ({' or '.join(_HOLE_SAFE_ATTENTION)}); this target uses {implementation!r}. Load it with "
-            "attn_implementation='sdpa'."
-        )
     new_target_cache(target)  # refuses layers without per-token entries, and kinds the engine cannot mask
 
 

@@ -21,7 +21,7 @@ from ..round.sampling import RowSampling
 from .checks import new_target_cache
 from .masks import target_attention_mask
 from ..recurrent_states import has_recurrent_layers, keep_recurrent_states, keep_states_after
-from ..transformers_internals import crop_entries, stack_layer_rows
+from ..transformers_internals import crop_entries, mask_taking_attention, stack_layer_rows
 from ..round.sampling import sample
 
 def target_forward(target, rows: BatchRows, tokens, new_valid, positions, layer_indices, keep: int,
@@ -30,8 +30,9 @@ def target_forward(target, rows: BatchRows, tokens, new_valid, positions, layer_
     `layer_indices` concatenated, None without layers: plain decoding)."""
     mask = target_attention_mask(target, rows.target_valid, new_valid, positions)
     kwargs = {"logits_to_keep": keep} if target._supports_logits_to_keep() else {}
-    out = target(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=rows.target_cache,
-                 use_cache=True, output_hidden_states=layer_indices or False, **kwargs)
+    with mask_taking_attention(target):  # flash attention cannot take the holes: the same attention as sdpa
+        out = target(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=rows.target_cache,
+                     use_cache=True, output_hidden_states=layer_indices or False, **kwargs)
     if not layer_indices:
         return out.logits[:, -keep:].float(), None
     # With a device_map the layers' states live on their layers' devices; the drafter sits by the LM head.

@@ -114,8 +114,9 @@ class SpeculativeEngine:
     do not generate() with that drafter for a target of another dtype or device while the engine runs.
 
     Args:
-        target: a decoder-only causal LM with full or sliding-window attention layers (sdpa or eager), or a hybrid
-            one with recurrent or convolution layers beside full attention (Qwen3.5, Qwen3-Next, LFM2, Nemotron-H).
+        target: a decoder-only causal LM with full or sliding-window attention layers, or a hybrid one with
+            recurrent or convolution layers beside full attention (Qwen3.5, Qwen3-Next, LFM2, Nemotron-H); any
+            attention implementation (flash attention runs as sdpa here: the holes need a 4D mask).
         drafter: a `DSparkDraftModel` or `Eagle3DraftModel` trained for `target` (attached here), or None for plain
             continuous batching (each round emits one target token per row; `policy` must stay "all").
         policy, policy_arg: how many drafted slots each row verifies per round, as in
