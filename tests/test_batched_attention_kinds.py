@@ -11,6 +11,7 @@ from transformers.masking_utils import sdpa_mask
 from hf_dspark.generation.transformers_internals import mask_taking_attention
 from conftest import prompts, tiny_drafter, tiny_target
 from test_batched import left_pad
+from test_batched_generate import unpadded_rows
 
 CALLS: list = []
 
@@ -23,16 +24,6 @@ def counting_attention(module, query, key, value, attention_mask, **kwargs):
 
 AttentionInterface.register("counting_sdpa", counting_attention)
 AttentionMaskInterface.register("counting_sdpa", sdpa_mask)
-
-
-def rows_of(out, mask, pad):
-    rows = []
-    for row, row_mask in zip(out.tolist(), mask):
-        row = row[int((row_mask == 0).sum()):]
-        while len(row) > int(row_mask.sum()) and row[-1] == pad:
-            row.pop()
-        rows.append(row)
-    return rows
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -48,7 +39,7 @@ def test_a_target_on_another_attention_decodes_in_batches_with_sdpa(family):
     CALLS.clear()
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False, max_new_tokens=12)
     assert CALLS == []  # every engine forward ran sdpa, which takes the holes
-    assert rows_of(out, mask, target.config.pad_token_id) == references
+    assert unpadded_rows(out, mask, target.config.pad_token_id) == references
     assert target.config._attn_implementation == "counting_sdpa"
 
 
