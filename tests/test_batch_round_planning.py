@@ -12,7 +12,7 @@ from hf_dspark.generation.engine import speculative_engine as batched
 from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.scheduling.batch_planner import (DRAFTER, NO_DRAFT, SUFFIX, BatchRoundPlanner, RoundCosts, RowOptions,
-                                                SlotAcceptance, expected_tokens)
+                                                SlotAcceptance, expected_tokens, shortening)
 from hf_dspark.scheduling.cost_table import VerificationCostTable
 from lossless_checks import assert_three_tokens_match
 from test_batched import assert_rows_equal, left_pad, plain_greedy, use_oracle
@@ -115,6 +115,31 @@ def test_plain_steps_when_drafts_do_not_pay_on_a_cpu_like_machine():
     assert plan.use_drafter and plan.sources == [DRAFTER, DRAFTER] and plan.lengths == [4, 4]
 
 
+def test_a_round_of_a_generate_batch_is_worth_the_steps_it_takes_off_the_longest_row():
+    one_draft = expected_tokens([0.5], 1)  # [1, 1.5]: a second token with chance 1/2
+    assert shortening([10, 10], [[1.0], [1.0]]) == 1.0  # a plain step
+    assert shortening([10, 10], [one_draft, one_draft]) == pytest.approx(1.25)  # both rows must gain: 1 + 1/4
+    assert shortening([10, 10], [one_draft, [1.0]]) == 1.0  # one row gaining shortens nothing
+    assert shortening([10, 9], [[1.0], one_draft]) == 1.0  # the row ahead gains nothing that counts
+    assert shortening([10, 9], [one_draft, [1.0]]) == pytest.approx(1.5)  # the longest row alone must gain
+    sure = expected_tokens([1.0] * 3, 3)  # [1, 2, 3, 4]
+    assert shortening([10, 8], [sure, sure]) == pytest.approx(4.0)
+    assert shortening([10, 8], [sure, [1.0]]) == pytest.approx(3.0)  # then the second row is the longest
+
+
+def test_a_generate_batch_drafts_only_when_every_row_would_advance():
+    costs = RoundCosts(learn=False)  # a flat machine: a wide forward costs a plain step, drafting is free
+    planner = BatchRoundPlanner(costs)
+    likely = expected_tokens([0.9] * 4, 4)
+    server = [RowOptions(4, [1.0], likely), RowOptions(4, [1.0], [1.0])]
+    assert planner.plan(server).use_drafter  # a server's row that gains is worth its tokens
+    one_gains = [RowOptions(4, [1.0], likely, left=20), RowOptions(4, [1.0], expected_tokens([0.0] * 4, 4), left=20)]
+    assert not planner.plan(one_gains).use_drafter  # the other row sets when the batch returns: no gain
+    both_gain = [RowOptions(4, [1.0], likely, left=20)] * 2
+    plan = planner.plan(both_gain)
+    assert plan.use_drafter and plan.sources == [DRAFTER, DRAFTER]
+
+
 def test_each_row_takes_its_best_proposal_within_the_batch_width():
     planner = BatchRoundPlanner(cpu_like_costs())
     sure_suffix = [1.0, 2.0, 3.0, 4.0, 5.0]  # a suffix proposal whose 4 tokens are surely accepted
@@ -174,10 +199,11 @@ def test_planned_rounds_mix_proposers_and_every_row_is_its_plain_greedy(monkeypa
 def test_generate_route_plans_rounds_with_greedy_identity_and_stats():
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target, "markov", block_size=4, suffix_drafting=True)
-    prompt_list = repetitive_prompts(2) + prompts(2, length=4, seed=9)
+    # Every row repeats itself: a generate() batch pays for a round only when all its rows would advance.
+    prompt_list = repetitive_prompts(3)
     ids, mask = left_pad(prompt_list)
     state = DraftingState()
-    state.statistics.suffix.prior_accepted = 6.0  # the call's state: suffix matches start out promising
+    state.statistics.suffix.prior_accepted = 20.0  # the call's state: suffix matches start out promising
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
                           max_new_tokens=MAX_NEW, return_dict_in_generate=True, dspark_state=state)
     expected = [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW)[0] for p in prompt_list]

@@ -3,15 +3,17 @@
 Each round, for the whole batch, `BatchRoundPlanner.plan` picks the verification width W (every row's forward is
 W tokens wide: its anchor and up to W - 1 drafts, padded to the longest row) and whether the drafter runs; then each
 row takes the best of its own proposals within W: the drafter's block, a suffix match over its own text, or nothing
-(its anchor alone). Every option is priced as expected tokens per second of the round:
+(its anchor alone). Every option is priced as what the round is worth per second:
 
-    rate(W, drafter) = sum over rows of w_r E_r(W) / (F(R, W) + [drafter runs] * D(R))
+    rate(W, drafter) = value / (F(R, W) + [drafter runs] * D(R))
 
-with E_r the row's expected tokens (1 + S_1 + ... + S_k for k proposed tokens surviving with S_j), w_r what its
-tokens are worth (1 in a server; a `generate()` batch weighs rows by the work they have left, see
-`EngineRoundPlanning`), F the target forward's seconds at that shape and D the drafter pass's. A plain step is W = 1
-without the drafter: R tokens for F(R, 1). A proposal must beat the plain step by `margin` (estimates err; the plain
-step is measured). When the best option is the plain step, no row drafts and the drafter does not run.
+F is the target forward's seconds at that shape and D the drafter pass's. In a server the value is the round's
+expected tokens, sum over rows of E_r (1 + S_1 + ... + S_k for k proposed tokens surviving with S_j). A
+`generate()` batch returns only when its last row is done, so there a round is worth how many steps it is expected to
+take off the longest row's remaining work (`shortening`): tokens that some rows gain and others do not shorten
+nothing, which on a machine where wide forwards cost (a CPU) is most rounds at R >= 4. A plain step is W = 1 without
+the drafter: R tokens, or one step, for F(R, 1). A proposal must beat the plain step by `margin` (estimates err; the
+plain step is measured). When the best option is the plain step, no row drafts and the drafter does not run.
 
 Costs are learnt by the loop (`RoundCosts`), timed between the host reads the engine makes anyway: a plain step's
 seconds per row count, and, relative to it, what each width of forward and the drafter's pass cost. The
@@ -192,12 +194,13 @@ def interpolated(points: dict[int, float], x: int) -> float:
 class RowOptions:
     """What one row may verify this round: at most `budget` drafts; `suffix_expected[m]`, the expected tokens of
     verifying the first m tokens of its suffix proposal (m = 0..len); `drafter_expected[k]`, of k drafter slots.
-    `weight`: what one of its tokens is worth to the batch (1; less for a row whose tokens shorten nothing)."""
+    `left`: the tokens the row has left when the batch returns only once every row is done (a `generate()` call),
+    None for a server's row (see `BatchRoundPlanner`)."""
 
     budget: int
     suffix_expected: list[float] = field(default_factory=lambda: [1.0])
     drafter_expected: list[float] = field(default_factory=lambda: [1.0])
-    weight: float = 1.0
+    left: int | None = None
     drafter_optimistic: list[float] | None = None  # the same, optimistic (what a probe could still find); None: as is
 
 
@@ -237,8 +240,8 @@ class BatchRoundPlanner:
         # Until a wider forward was timed, rounds stay as narrow as a probe: the first wide one measures widening.
         widest = min(max(row.budget for row in options) + 1,
                      self.probe_width if not self.costs.knows_widths() else self.max_width)
-        plain_tokens = sum(row.weight for row in options)
-        best = RoundPlan(False, [NO_DRAFT] * rows, [0] * rows, plain_tokens / self.costs.forward_seconds(rows, 1))
+        plain_value = 1.0 if _finishing_together(options) else float(rows)  # a plain step: one token per row
+        best = RoundPlan(False, [NO_DRAFT] * rows, [0] * rows, plain_value / self.costs.forward_seconds(rows, 1))
         bar = best.expected_rate * self.margin  # a proposal must beat the plain step by the margin
         best_drafter = None
         drafting = drafter_possible and self.drafter_allowed
@@ -264,7 +267,7 @@ class BatchRoundPlanner:
     def _worth_probing(self, options: list[RowOptions], width: int, bar: float) -> bool:
         """Whether the drafter's optimistic estimate (few observations leave much to find) could still beat the best
         round at a probe's width: once many probes have measured a drafter that does not pay here, none is run."""
-        optimistic = [RowOptions(row.budget, [1.0], row.drafter_optimistic or row.drafter_expected, row.weight)
+        optimistic = [RowOptions(row.budget, [1.0], row.drafter_optimistic or row.drafter_expected, row.left)
                       for row in options]
         return self._candidate(optimistic, width, use_drafter=True).expected_rate > bar
 
@@ -276,22 +279,53 @@ class BatchRoundPlanner:
         self.probe_interval = self.probe_every if won else min(2 * self.probe_interval, self.max_probe_every)
 
     def _candidate(self, options: list[RowOptions], width: int, use_drafter: bool) -> RoundPlan:
-        sources, lengths, expected = [], [], 0.0
+        sources, lengths, chosen = [], [], []
         limit = width - 1
         for row in options:
-            source, length, value = NO_DRAFT, 0, 1.0
+            source, length, expected = NO_DRAFT, 0, [1.0]
             m = min(limit, row.budget, len(row.suffix_expected) - 1)
-            if m > 0 and row.suffix_expected[m] > value:
-                source, length, value = SUFFIX, m, row.suffix_expected[m]
+            if m > 0 and row.suffix_expected[m] > expected[-1]:
+                source, length, expected = SUFFIX, m, row.suffix_expected[: m + 1]
             k = min(limit, row.budget, len(row.drafter_expected) - 1)
-            if use_drafter and k > 0 and row.drafter_expected[k] > value:
-                source, length, value = DRAFTER, k, row.drafter_expected[k]
+            if use_drafter and k > 0 and row.drafter_expected[k] > expected[-1]:
+                source, length, expected = DRAFTER, k, row.drafter_expected[: k + 1]
             sources.append(source)
             lengths.append(length)
-            expected += row.weight * value
+            chosen.append(expected)
+        if _finishing_together(options):
+            value = shortening([row.left for row in options], chosen)
+        else:
+            value = sum(expected[-1] for expected in chosen)
         used_width = max(lengths) + 1
         seconds = self.costs.forward_seconds(len(options), used_width)
         drafting = use_drafter and DRAFTER in sources
         if drafting:
             seconds += self.costs.draft_seconds(len(options))
-        return RoundPlan(drafting, sources, lengths, expected / seconds)
+        return RoundPlan(drafting, sources, lengths, value / seconds)
+
+
+def _finishing_together(options: list[RowOptions]) -> bool:
+    return all(row.left is not None for row in options)
+
+
+def shortening(left: list[int], expected: list[list[float]]) -> float:
+    """How many steps a round is expected to take off a batch that returns once its last row is done: the drop of
+    max over rows of (tokens left - tokens emitted), rows independent, each row's `expected[k]` the expected tokens of
+    its first k proposed tokens (so P(emits >= j + 1) = expected[j] - expected[j - 1]). A plain step is worth 1; a
+    row ahead of the longest shortens nothing until the round could make it the longest.
+
+        E[drop] = sum over d >= 1 of P(every row r emits >= left_r - max(left) + d tokens)
+    """
+    longest = max(left)
+    drop, steps = 0.0, 1
+    while True:
+        chance = 1.0
+        for row_left, row_expected in zip(left, expected):
+            needed = row_left - longest + steps  # tokens this row must emit
+            if needed <= 1:
+                continue  # every round emits at least one token per row
+            chance *= row_expected[needed - 1] - row_expected[needed - 2] if needed <= len(row_expected) else 0.0
+            if chance <= 0.0:
+                return drop
+        drop += chance
+        steps += 1

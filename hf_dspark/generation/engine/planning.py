@@ -56,8 +56,8 @@ class EngineRoundPlanning:
         self.pool = SlotAcceptance(slots)
         self.requests: dict[int, RequestProposals] = {}
         self._started = 0.0
-        # A batch that returns when its last row is done (generate()): a row's tokens are worth its share of the
-        # work left, so a row ahead of the others, whose speed-up shortens nothing, is not drafted for at a loss.
+        # A batch that returns when its last row is done (generate()): a round is worth how much it shortens the
+        # longest row's work (`batch_planner.shortening`), so tokens of rows that do not all advance are not paid for.
         self.finish_together = False
 
     def forget(self, request_id: int) -> None:
@@ -79,10 +79,8 @@ class EngineRoundPlanning:
         # Two pseudo-observations of acceptance per slot on top of what the batch measured: an upper estimate that
         # stays high until probes have measured enough, then falls to the measured rates.
         optimistic = self.pool.rates([1.0] * self.slots, _OPTIMISM_WEIGHT)
-        left = [request.max_new_tokens - request.emitted for request in requests]
-        weights = [n / max(left) for n in left] if self.finish_together else [1.0] * len(left)
         options = []
-        for request_id, request, budget, weight in zip(request_ids, requests, budgets, weights):
+        for request_id, request, budget in zip(request_ids, requests, budgets):
             own = self._proposals(request_id)
             own.proposal, match = [], 0
             if own.suffix is not None and budget > 0:
@@ -91,7 +89,8 @@ class EngineRoundPlanning:
             suffix = [own.suffix.expected_tokens(match, m) for m in range(len(own.proposal) + 1)] \
                 if own.proposal else [1.0]
             drafted = expected_tokens(own.acceptance.rates(pooled, _REQUEST_PRIOR_WEIGHT), budget)
-            options.append(RowOptions(budget, suffix, drafted, weight, expected_tokens(optimistic, budget)))
+            left = request.max_new_tokens - request.emitted if self.finish_together else None
+            options.append(RowOptions(budget, suffix, drafted, left, expected_tokens(optimistic, budget)))
         return self.planner.plan(options, drafter_possible)
 
     def drafted(self) -> float:
