@@ -88,8 +88,8 @@ class RoundCosts:
         D(R)    = plain(R) * draft_ratio(R)             the drafter's pass over R rows
 
     `plain(R)` is measured in this loop (smoothed; a burst clipped at twice the estimate; a shape's first run, which
-    may warm caches, not counted; lowered by any wider forward that ran faster), else interpolated over
-    the row counts measured (flat beyond them), else the cost table's (R tokens), else 1. `widening(R, W)` is learnt
+    may warm caches, provisional until its second; lowered by any wider forward that ran faster), else interpolated
+    over the row counts measured (flat beyond them), else the cost table's (R tokens), else 1. `widening(R, W)` is learnt
     per shape from every wider forward: at the row count measured nearest to R, linear between the widths measured
     there (1 at W = 1), the last rise continued beyond the widest (a forward's cost is not linear in its width: on a
     CPU going from 1 to 2 tokens per row costs more than from 2 to 3); else the table's, else 1 (a flat machine).
@@ -100,35 +100,37 @@ class RoundCosts:
         self.plain: dict[int, float] = {}
         self.widening: dict[tuple[int, int], float] = {}  # (rows, width) -> F(R, W) / plain(R), as measured
         self.draft_ratio: dict[int, float] = {}
-        self._seen: set = set()
+        self._seen: set = set()  # shapes run so far
+        self._provisional: set = set()  # shapes whose estimate is still their first run's
 
     def record_forward(self, rows: int, width: int, seconds: float) -> None:
-        if not self.learn or self._first_run(("forward", rows, width)):
+        if not self.learn:
             return
         if width == 1:
-            self.plain[rows] = self._smoothed(self.plain.get(rows), seconds)
+            self.plain[rows] = self._learnt(("forward", rows, 1), self.plain.get(rows), seconds)
         elif self.knows_plain():
             if rows in self.plain and seconds < self.plain[rows]:
                 # A wider forward never costs less than a plain step: the plain estimate is stale (load fell).
                 self.plain[rows] = seconds
             ratio = max(seconds / self.plain_seconds(rows), 1.0)
-            self.widening[rows, width] = self._smoothed(self.widening.get((rows, width)), ratio)
+            shape = ("forward", rows, width)
+            self.widening[rows, width] = self._learnt(shape, self.widening.get((rows, width)), ratio)
 
     def record_draft(self, rows: int, seconds: float) -> None:
-        if self.learn and self.knows_plain() and not self._first_run(("draft", rows)):
+        if self.learn and self.knows_plain():
             ratio = seconds / self.plain_seconds(rows)
-            self.draft_ratio[rows] = self._smoothed(self.draft_ratio.get(rows), ratio)
+            self.draft_ratio[rows] = self._learnt(("draft", rows), self.draft_ratio.get(rows), ratio)
 
-    def _first_run(self, shape) -> bool:
-        """True the first time a shape runs: that run may fill cold caches or pick kernels, seconds that later
-        rounds do not pay (one such time would misprice every round relative to it)."""
-        if shape in self._seen:
-            return False
-        self._seen.add(shape)
-        return True
-
-    def _smoothed(self, previous: float | None, value: float) -> float:
-        if previous is None:
+    def _learnt(self, shape, previous: float | None, value: float) -> float:
+        """The estimate after a run of `shape`. A shape's first run may fill cold caches or pick kernels, seconds
+        that later rounds do not pay: it stands only until the second run replaces it (until then it prices the
+        shape high, which keeps the planner from repeating a round that did not pay). Later runs are smoothed in."""
+        if shape not in self._seen:
+            self._seen.add(shape)
+            self._provisional.add(shape)
+            return value if previous is None else previous
+        if shape in self._provisional:
+            self._provisional.discard(shape)
             return value
         return previous + self.smoothing * (min(value, 2.0 * previous) - previous)
 

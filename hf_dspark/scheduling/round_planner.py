@@ -57,7 +57,7 @@ class RoundPlanner:
                  cost_smoothing: float = 0.3, learn_costs: bool = True, timed: bool = True):
         self.cost_table, self.has_confidences, self.statistics = cost_table, has_confidences, statistics
         self.learn_costs = learn_costs and timed
-        # No table and nothing timed: flat costs, drafting free. No table but timed: priced by measures alone.
+        # Without a table: priced by what is timed alone, or flat (drafting free) where nothing is.
         self.flat = cost_table is None and not self.learn_costs
         self._seen: set = set()  # forward sizes (and "draft") timed once in this call
         self.probe_every, self.max_probe_every = probe_every, max(max_probe_every, probe_every)
