@@ -233,7 +233,7 @@ def test_engine_requests_join_and_leave(monkeypatch, family):
     outputs.update(engine.run_until_done())
     for request, prompt, limit, reference in zip(ids, prompt_list, limits, references):
         assert torch.equal(outputs[request], reference[: prompt.shape[1] + limit])
-    with pytest.raises(ValueError, match="recurrent or convolution layers"):
+    with pytest.raises(ValueError, match="recurrent, convolution or KV-shared layers"):
         SpeculativeEngine(target).submit(prompt_list[0][0], max_new_tokens=3, keep_cache=True)
 
 

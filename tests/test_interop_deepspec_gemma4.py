@@ -132,8 +132,8 @@ def test_greedy_generation_equals_plain_at_batch_1_and_in_batches(kind, k_eq_v):
 @pytest.mark.parametrize("kind", ["markov", "eagle3"])
 def test_targets_with_per_layer_inputs_or_shared_kv_layers(kind):
     """Gemma 4's small models add per-layer inputs (PLE) and let their last layers reuse earlier layers' keys and
-    values (num_kv_shared_layers): the drafter reads the same hidden states. The batched engine refuses shared-KV
-    targets (transformers gives those layers placeholder caches, which cannot keep the engine's holes)."""
+    values (num_kv_shared_layers): the drafter reads the same hidden states. In the engine a KV-shared layer attends
+    over its producer's entries, holes included, with the mask of its own attention kind."""
     ple = gemma4_target(vocab_size=GENERATION_VOCAB, hidden_size_per_layer_input=8,
                         vocab_size_per_layer_input=GENERATION_VOCAB)
     shared = gemma4_target(vocab_size=GENERATION_VOCAB, num_kv_shared_layers=2)
@@ -146,11 +146,15 @@ def test_targets_with_per_layer_inputs_or_shared_kv_layers(kind):
         for prompt, reference in zip(prompt_list, references):
             assert torch.equal(target.generate(prompt, assistant_model=drafter, max_new_tokens=12,
                                                do_sample=False)[0], reference)
-    out = ple.generate(ids, attention_mask=mask, assistant_model=gemma4_drafter(ple, kind), max_new_tokens=12,
-                       do_sample=False)
-    for row, prompt in enumerate(prompt_list):
-        assert torch.equal(out[row, ids.shape[1] - prompt.shape[1]:],
-                           ple.generate(prompt, max_new_tokens=12, do_sample=False)[0])
+    for target in (ple, shared):
+        drafter = gemma4_drafter(target, kind)
+        drafter.generation_config.dspark_round_planning = False  # every round drafts: partial acceptance
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+        for row, prompt in enumerate(prompt_list):
+            assert torch.equal(out[row, ids.shape[1] - prompt.shape[1]:],
+                               target.generate(prompt, max_new_tokens=12, do_sample=False)[0])
+        stats = drafter.last_generation_stats
+        assert 0 < sum(stats.accepted) < sum(stats.draft_lengths)  # some drafts accepted, some rejected
 
 
 # ---------------------------------------------------------------------------------------------------------

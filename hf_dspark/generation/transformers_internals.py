@@ -171,8 +171,7 @@ def growing_cache(config) -> DynamicCache | None:
     layers without a cache."""
     cache = DynamicCache(config=config)
     attention = [type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers]
-    shares = "reuse" in (getattr(config.get_text_config(decoder=True), "kv_sharing_modes", None) or ())
-    if shares or not all(kept or _is_own_state(layer) for kept, layer in zip(attention, cache.layers)):
+    if not all(kept or _is_own_state(layer) for kept, layer in zip(attention, cache.layers)):
         return None
     cache.layers = [GrowingLayer() if kept else layer for kept, layer in zip(attention, cache.layers)]
     return cache

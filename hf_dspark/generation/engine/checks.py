@@ -95,12 +95,12 @@ def check_left_padded(input_ids, attention_mask) -> None:
 
 
 def check_parking(target, keep_cache: bool, resume: ParkedCache | None) -> None:
-    """Parked caches hold attention entries only: a hybrid target's recurrent states are not parked."""
+    """Parked caches hold attention entries only: recurrent states and KV-shared layers are not parked."""
     if (keep_cache or resume is not None) and any(kind in STATE_KINDS for kind in attention_layer_types(target.config)):
         raise ValueError(
             "keep_cache= and resume= park and continue a request's attention entries; this target also has "
-            "recurrent or convolution layers, whose states are not parked. Submit the whole conversation as the "
-            "prompt instead."
+            "layers without entries of their own (recurrent, convolution or KV-shared layers), which are not "
+            "parked. Submit the whole conversation as the prompt instead."
         )
 
 

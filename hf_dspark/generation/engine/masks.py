@@ -30,9 +30,12 @@ import torch
 from ..transformers_internals import attention_layer_types, takes_mask_mapping
 
 FULL, SLIDING = "full_attention", "sliding_attention"
-# A hybrid target's layers without attention entries: recurrent / convolution layers keep one state per row (their
-# padding is zeroed by the model from the 2D mask, `recurrent_states`), and "dummy" ones (an MLP-only layer) no cache.
-STATE_KINDS = frozenset({"linear_attention", "conv", "dummy"})
+# Layers without attention entries of their own: a hybrid target's recurrent / convolution layers keep one state per
+# row (their padding is zeroed by the model from the 2D mask, `recurrent_states`); "dummy" ones keep no cache (an
+# MLP-only layer, or Gemma 4's KV-shared layers, which attend over an earlier layer's entries, holes and all, with
+# the mask of their own attention kind).
+RECURRENT_KINDS = frozenset({"linear_attention", "conv"})
+STATE_KINDS = RECURRENT_KINDS | {"dummy"}
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,10 @@ def _read_kinds(target) -> MaskKinds:
         raise ValueError(
             f"Batched decoding runs targets with full and sliding-window attention layers (and recurrent or "
             f"convolution layers beside full attention); this target also has {', '.join(map(repr, others))} layers "
-            "(chunked or shared-cache layers cannot keep the engine's holes); decode it per prompt with "
+            "(chunked layers cannot keep the engine's holes); decode it per prompt with "
             "target.generate(..., assistant_model=drafter)."
         )
-    if SLIDING in kinds and every & STATE_KINDS:
+    if SLIDING in kinds and every & RECURRENT_KINDS:
         raise ValueError(
             "Batched decoding runs hybrid targets (recurrent or convolution layers) whose attention layers are all "
             "full attention; this one also has sliding-window layers, whose masks by position the engine cannot "
