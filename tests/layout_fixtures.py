@@ -66,7 +66,8 @@ def assert_greedy_identical(target, drafter, prompts, max_new_tokens: int = 24) 
     accepted = 0
     for ids in prompts:
         expected = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
-        got = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=max_new_tokens)
+        got = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=max_new_tokens,
+                              dspark_round_planning=False)  # every round verifies the layout's drafts
         assert torch.equal(got, expected), (ids, got, expected)
         accepted += sum(drafter.last_generation_stats.accepted)
     return accepted
@@ -79,5 +80,5 @@ def assert_batch_greedy_identical(target, drafter, vocab: int, max_new_tokens: i
     ids[1, :2], mask[1, :2] = 0, 0
     expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
     got = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
-                          max_new_tokens=max_new_tokens)
+                          max_new_tokens=max_new_tokens, dspark_round_planning=False)
     assert torch.equal(got, expected), (got, expected)

@@ -123,14 +123,16 @@ def test_bad_settings_are_refused_before_any_token(settings, message, monkeypatc
 
 
 def test_two_calls_share_no_state_unless_given_the_same_state_object():
-    """Round planning with suffix drafting and no cost table is deterministic but learns from every round: a call
-    after another on the same drafter plans exactly as on a fresh drafter, unless both are given one state."""
+    """Round planning with suffix drafting and flat prices (no cost table, no timings) is deterministic but learns
+    from every round: a call after another on the same drafter plans exactly as on a fresh drafter, unless both are
+    given one state."""
     target = looping_target()
     (first,) = prompts(1, seed=3)
     (second,) = prompts(1, seed=4)
     fresh = tiny_drafter(target, "markov", block_size=4)
     used = tiny_drafter(target, "markov", block_size=4)
-    call = dict(max_new_tokens=40, do_sample=False, return_dict_in_generate=True, dspark_suffix_drafting=True)
+    call = dict(max_new_tokens=40, do_sample=False, return_dict_in_generate=True, dspark_suffix_drafting=True,
+                dspark_learn_round_costs=False)
     target.generate(first, assistant_model=used, num_assistant_tokens=2, **call)  # other settings, no state given
     alone = target.generate(second, assistant_model=fresh, **call)
     after = target.generate(second, assistant_model=used, **call)

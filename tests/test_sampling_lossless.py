@@ -135,6 +135,8 @@ def test_generate_sampling_matches_target_distribution(kind, device):
     # Suffix drafting: with drafting priced far above a verification forward, x2 is drafted by a one-hot suffix
     # proposal whenever x1 occurred in the prompt, and otherwise not drafted at all (a plain step).
     drafter.generation_config.dspark_suffix_drafting = kind.endswith("suffix")
+    if not kind.endswith(("scheduled", "suffix")):
+        drafter.generation_config.dspark_learn_round_costs = False  # flat prices: every round drafts
     if kind.endswith("suffix"):
         drafter.generation_config.dspark_cost_table = VerificationCostTable([1.0, 1.0], draft_seconds=5.0)
         drafter.generation_config.dspark_learn_round_costs = False  # the table is the truth, not the tiny models' cost

@@ -41,7 +41,9 @@ def mean_tau(target, drafter, examples, new_tokens=40):
     for example in examples:
         prompt_length = example["loss_mask"].index(1)
         ids = torch.tensor([example["input_ids"][:prompt_length]])
-        target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=new_tokens)
+        # Every round drafts: the drafter's own acceptance, not which rounds a planner timed as worth drafting.
+        target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=new_tokens,
+                        dspark_round_planning=False)
         taus.append(drafter.last_generation_stats.tau)
     return sum(taus) / len(taus)
 
