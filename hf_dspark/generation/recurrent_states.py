@@ -8,7 +8,8 @@ tokens, and against folding that replay into the next verification): with past r
 state after each of its tokens. At batch 1 `cache.crop` then picks the state (`one_prompt.target_runners`); in the
 batched engine every row accepted its own count, so `keep_states_after` picks each row's.
 
-What is relied on (transformers 5.24 / 5.25; `state_problems` checks it on a tiny model):
+What is relied on (transformers 5.25; `state_problems` checks it on a tiny model; on a release without it a hybrid
+target is refused, `check_states_kept`):
 
 * a recurrent layer (`LinearAttentionCacheLayerMixin`) keeps `conv_states` and `recurrent_states`, dicts {state
   index: tensor (batch, ...)}, with `is_conv_states_initialized` / `is_recurrent_states_initialized`, the kernel
@@ -23,8 +24,13 @@ What is relied on (transformers 5.24 / 5.25; `state_problems` checks it on a tin
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+import transformers
 from transformers import cache_utils
+
+from ..models.errors import UserInputError
 
 _DummyLayer = getattr(cache_utils, "DummyLayer", None)  # layers without a cache (an MLP-only layer of Nemotron-H)
 
@@ -42,6 +48,25 @@ def is_stateless_layer(layer) -> bool:
 def has_recurrent_layers(cache) -> bool:
     """Whether some layer of `cache` holds a recurrent or convolution state (a hybrid target's)."""
     return any(is_recurrent_layer(layer) for layer in getattr(cache, "layers", ()))
+
+
+def keeps_states_per_position() -> bool:
+    """Whether this transformers release can keep the state after each token of a forward
+    (`Cache.activate_past_recording(recurrent_states_to_keep=...)`, from 5.25.0 on): what exact speculative decoding
+    of a hybrid target needs."""
+    return len(inspect.signature(cache_utils.Cache.activate_past_recording).parameters) > 1
+
+
+def check_states_kept(cache, target) -> None:
+    """Refuse a hybrid target, before any forward, on a transformers release that cannot keep its per-position states
+    (rounds would go on from states that include rejected drafts)."""
+    if has_recurrent_layers(cache) and not keeps_states_per_position():
+        raise UserInputError(
+            f"Speculative decoding of {type(target).__name__} needs the state of its recurrent or convolution layers "
+            f"after each verified token, which transformers keeps from 5.25.0 on "
+            f"(Cache.activate_past_recording(recurrent_states_to_keep=...)); this is transformers "
+            f"{transformers.__version__}. Upgrade it: pip install 'transformers>=5.25.0'."
+        )
 
 
 def keep_recurrent_states(cache, count: int) -> None:

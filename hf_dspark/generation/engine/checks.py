@@ -10,6 +10,7 @@ from .requests import ParkedCache
 from .masks import STATE_KINDS, mask_kinds
 from ..call.plan import DraftingPlan
 from ..call.settings import checked_draft_length
+from ..recurrent_states import check_states_kept
 from ..transformers_internals import attention_layer_types, growing_cache
 
 def check_target(target) -> None:
@@ -25,6 +26,8 @@ def new_target_cache(target):
     included, so the engine applies it in its own masks, by position (`masks`)."""
     mask_kinds(target)  # refuses chunked and other layer kinds by name
     cache = growing_cache(target.config)
+    if cache is not None:
+        check_states_kept(cache, target)
     if cache is None:
         raise ValueError(
             "Batched decoding runs targets whose layers keep per-token keys and values (full or sliding-window "

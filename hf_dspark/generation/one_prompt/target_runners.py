@@ -22,7 +22,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
 
-from ..recurrent_states import has_recurrent_layers, keep_recurrent_states, stop_keeping_states
+from ..recurrent_states import check_states_kept, has_recurrent_layers, keep_recurrent_states, stop_keeping_states
 from ..transformers_internals import use_static_layers
 
 
@@ -258,6 +258,7 @@ def target_runner_for(target, cache, generation_config, layer_indices: list[int]
     if not isinstance(cache, StaticCache):
         if not has_recurrent_layers(cache):
             return DynamicTargetRunner(target, cache, layer_indices)
+        check_states_kept(cache, target)
         longest = max(verification_buckets(num_draft_slots, cost_table)) if num_draft_slots is not None else 1
         return RecurrentStateRunner(target, cache, layer_indices, longest)
     buckets = verification_buckets(num_draft_slots, cost_table) if num_draft_slots is not None else None
