@@ -146,29 +146,26 @@ def mask_taking_attention(model):
     model without sdpa) where the model was loaded with one that does not (flash attention takes padding as sequence
     lengths, not holes). The same attention, computed by another kernel; each config's own setting is restored on
     exit, whatever happens inside. Several threads sharing one model see the swap while a forward runs."""
-    configs = _configs(model.config)
-    saved = [c.__dict__.get("_attn_implementation_internal") for c in configs]
-    if all(value in MASK_TAKING_ATTENTION or value is None for value in saved):
-        yield
-        return
+    key = "_attn_implementation_internal"
+    swapped = [c for c in _configs(model.config) if c.__dict__.get(key) not in (None, *MASK_TAKING_ATTENTION)]
+    saved = [config.__dict__[key] for config in swapped]
     replacement = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
     try:
-        for config, value in zip(configs, saved):
-            if value is not None and value not in MASK_TAKING_ATTENTION:
-                config.__dict__["_attn_implementation_internal"] = replacement
+        for config in swapped:
+            config.__dict__[key] = replacement
         yield
     finally:
-        for config, value in zip(configs, saved):
-            config.__dict__["_attn_implementation_internal"] = value
+        for config, value in zip(swapped, saved):
+            config.__dict__[key] = value
 
 
 def growing_cache(config) -> DynamicCache | None:
     """A `DynamicCache` for `config` whose attention layers are `GrowingLayer`s, or None when some layer is of a kind
-    the engine cannot keep (layers sharing another's cache, one layer holding both attention entries and a recurrent
-    state). A sliding-window layer becomes a full-length layer too: its window counts cache slots, holes included, so
-    the engine applies it in its own mask instead (`engine.masks`), by position. A hybrid target's recurrent and
-    convolution layers stay as transformers made them (one state per row, no holes: `recurrent_states`), and so do
-    layers without a cache."""
+    the engine cannot keep (one layer holding both attention entries and a recurrent state). A sliding-window layer
+    becomes a full-length layer too: its window counts cache slots, holes included, so the engine applies it in its
+    own mask instead (`engine.masks`), by position. A hybrid target's recurrent and convolution layers stay as
+    transformers made them (one state per row, no holes: `recurrent_states`), and so do layers without a cache
+    (Gemma 4's KV-shared layers read their producer's entries)."""
     cache = DynamicCache(config=config)
     attention = [type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers]
     if not all(kept or _is_own_state(layer) for kept, layer in zip(attention, cache.layers)):

@@ -100,8 +100,7 @@ class RoundCosts:
         self.plain: dict[int, float] = {}
         self.widening: dict[tuple[int, int], float] = {}  # (rows, width) -> F(R, W) / plain(R), as measured
         self.draft_ratio: dict[int, float] = {}
-        self._seen: set = set()  # shapes run so far
-        self._provisional: set = set()  # shapes whose estimate is still their first run's
+        self._runs: dict = {}  # shape -> how many times it ran
 
     def record_forward(self, rows: int, width: int, seconds: float) -> None:
         if not self.learn:
@@ -125,12 +124,10 @@ class RoundCosts:
         """The estimate after a run of `shape`. A shape's first run may fill cold caches or pick kernels, seconds
         that later rounds do not pay: it stands only until the second run replaces it (until then it prices the
         shape high, which keeps the planner from repeating a round that did not pay). Later runs are smoothed in."""
-        if shape not in self._seen:
-            self._seen.add(shape)
-            self._provisional.add(shape)
+        runs = self._runs[shape] = self._runs.get(shape, 0) + 1
+        if runs == 1:
             return value if previous is None else previous
-        if shape in self._provisional:
-            self._provisional.discard(shape)
+        if runs == 2:
             return value
         return previous + self.smoothing * (min(value, 2.0 * previous) - previous)
 

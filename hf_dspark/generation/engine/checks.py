@@ -26,15 +26,14 @@ def new_target_cache(target):
     included, so the engine applies it in its own masks, by position (`masks`)."""
     mask_kinds(target)  # refuses chunked and other layer kinds by name
     cache = growing_cache(target.config)
-    if cache is not None:
-        check_states_kept(cache, target)
     if cache is None:
         raise ValueError(
             "Batched decoding runs targets whose layers keep per-token keys and values (full or sliding-window "
-            "attention) or, beside them, recurrent or convolution states of their own; this target has layers "
-            "sharing another's cache or holding both kinds at once, which the engine's holes cannot keep. Decode it "
+            "attention) or, beside them, recurrent or convolution states of their own; this target has a layer "
+            "holding both kinds at once (or a cache layer of another kind), which the engine's holes cannot keep. Decode it "
             "per prompt."
         )
+    check_states_kept(cache, target)
     return cache
 
 

@@ -186,9 +186,8 @@ class BatchRows:
         Only columns after `pending` are written, so a tensor `pending` was before keeps its values."""
         queued, storage = self.pending, self._pending_storage
         needed = queued.shape[1] + features.shape[1]
-        if not (storage is not None and queued.data_ptr() == storage.data_ptr() and queued.shape[0] == storage.shape[0]
-                and queued.shape[2:] == storage.shape[2:] and queued.stride() == storage.stride()
-                and storage.shape[1] >= needed and queued.dtype == features.dtype):
+        in_storage = storage is not None and queued._base is storage and queued.storage_offset() == 0
+        if not (in_storage and storage.shape[1] >= needed and storage.dtype == features.dtype):
             storage = queued.new_empty(queued.shape[0], needed + max(32, needed // 2), *queued.shape[2:])
             storage[:, : queued.shape[1]] = queued
             self._pending_storage = storage
