@@ -94,3 +94,24 @@ def device(request) -> torch.device:
     """Where a lossless test's target, drafter and inputs live: the CPU always, and CUDA too when one is present.
     Tests build their models on the CPU (the same seeded weights everywhere) and move them here."""
     return torch.device(request.param)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--drafter-cost-factor", type=float, default=None,
+        help="audit: multiply every drafter pass's measured seconds by this factor before the round planners learn "
+             "them (50: a machine where drafting never pays; 0.02: one where it always does). A test whose verdict "
+             "changes under it depends on this machine's speed, which no test may.")
+
+
+@pytest.fixture(autouse=True)
+def _skewed_drafter_costs(request, monkeypatch):
+    factor = request.config.getoption("--drafter-cost-factor")
+    if factor is not None:
+        from hf_dspark.scheduling.batch_planner import RoundCosts
+        from hf_dspark.scheduling.round_planner import RoundPlanner
+        for cls in (RoundCosts, RoundPlanner):
+            recorded = cls.record_draft
+            monkeypatch.setattr(cls, "record_draft",
+                                lambda self, *args, _recorded=recorded: _recorded(self, *args[:-1], args[-1] * factor))
+    yield

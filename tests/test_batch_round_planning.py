@@ -217,6 +217,43 @@ def test_generate_route_plans_rounds_with_greedy_identity_and_stats():
     assert sum(state.statistics.suffix.reached.values()) > 0  # the engine scored its proposals into the call's state
 
 
+def test_batched_calls_start_from_what_earlier_calls_learnt():
+    """The engine's planner parts (round costs, pooled acceptance, probe pacing) are kept in the call's state: a
+    batch after another on the same drafter (no state given: its own for this target) plans exactly as a batch
+    given the state an identical first call learnt into; each call's first-round plan used to start from nothing."""
+    target = tiny_target("qwen3")
+    used = tiny_drafter(target, "markov", block_size=4, suffix_drafting=True)
+    fresh = tiny_drafter(target, "markov", block_size=4, suffix_drafting=True)
+    ids, mask = left_pad(repetitive_prompts(3))
+    call = dict(attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, return_dict_in_generate=True,
+                dspark_learn_round_costs=False)  # flat prices: the plans depend on what earlier rounds accepted
+    state = DraftingState()
+    first = target.generate(ids, assistant_model=fresh, dspark_state=state, **call)
+    assert state.engine  # the engine's planner parts were kept
+    expected = target.generate(ids, assistant_model=fresh, dspark_state=state, **call)
+    assert target.generate(ids, assistant_model=used, **call).sequences.tolist() == first.sequences.tolist()
+    after = target.generate(ids, assistant_model=used, **call)
+    assert after.speculative_stats.sources == expected.speculative_stats.sources != first.speculative_stats.sources
+    assert after.speculative_stats.draft_lengths == expected.speculative_stats.draft_lengths
+    assert after.sequences.tolist() == first.sequences.tolist()  # lossless whatever was learnt
+
+
+def test_a_drafters_own_state_is_never_shared_by_two_running_calls():
+    """A call that finds the drafter's own state in use (another thread's call) learns into a fresh one."""
+    from hf_dspark.generation.call.remembered_state import remembered_state
+    from hf_dspark.generation.call.plan import DraftingPlan
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    with remembered_state(drafter, target, DraftingPlan.for_call(drafter)) as running:
+        with remembered_state(drafter, target, DraftingPlan.for_call(drafter)) as second:
+            assert second.state is not running.state
+        given = DraftingState()
+        with remembered_state(drafter, target, DraftingPlan.for_call(drafter, {"dspark_state": given})) as own:
+            assert own.state is given
+    with remembered_state(drafter, target, DraftingPlan.for_call(drafter)) as later:
+        assert later.state is running.state  # free again: the next call starts from it
+
+
 def test_no_drafter_pass_in_rounds_the_planner_makes_plain():
     """Prices at which drafting cannot pay even if every draft were accepted: the drafter never runs (not even a
     probe), and every row is its plain greedy output."""

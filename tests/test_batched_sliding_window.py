@@ -111,10 +111,11 @@ def test_a_hole_query_sees_itself_and_eager_masks_are_additive():
     eager = target_attention_mask(sliding_target("gemma2"), cached, new_valid, positions)
     minimum = torch.finfo(torch.float32).min
     assert torch.equal(eager[SLIDING], torch.where(masks[SLIDING], 0.0, minimum))
-    # Full-attention targets keep the 2D padding mask: transformers' causal mask by slot is right for them.
-    llama = tiny_target("llama")
+    # Full-attention targets get the full mask by position (transformers then reads nothing from a padding mask);
+    # hybrid ones the 2D padding mask, which their recurrent layers read (transformers' causal mask by slot is right).
+    assert torch.equal(target_attention_mask(tiny_target("llama"), cached, new_valid, positions), masks[FULL])
     padding = torch.cat([cached, new_valid], dim=1).long()
-    assert torch.equal(target_attention_mask(llama, cached, new_valid, positions), padding)
+    assert torch.equal(target_attention_mask(tiny_target("lfm2"), cached, new_valid, positions), padding)
 
 
 # ---------------------------------------------------------------------------------------------------------

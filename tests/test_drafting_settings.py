@@ -122,10 +122,11 @@ def test_bad_settings_are_refused_before_any_token(settings, message, monkeypatc
     assert forwards == []
 
 
-def test_two_calls_share_no_state_unless_given_the_same_state_object():
+def test_calls_without_a_state_learn_into_their_drafters_own_and_a_given_state_replaces_it():
     """Round planning with suffix drafting and flat prices (no cost table, no timings) is deterministic but learns
-    from every round: a call after another on the same drafter plans exactly as on a fresh drafter, unless both are
-    given one state."""
+    from every round: a call without `dspark_state` learns into its drafter's own state for this target, which the
+    next such call starts from (planning exactly as a call given that state would); a call given a fresh state plans
+    as on a fresh drafter."""
     target = looping_target()
     (first,) = prompts(1, seed=3)
     (second,) = prompts(1, seed=4)
@@ -133,10 +134,17 @@ def test_two_calls_share_no_state_unless_given_the_same_state_object():
     used = tiny_drafter(target, "markov", block_size=4)
     call = dict(max_new_tokens=40, do_sample=False, return_dict_in_generate=True, dspark_suffix_drafting=True,
                 dspark_learn_round_costs=False)
-    target.generate(first, assistant_model=used, num_assistant_tokens=2, **call)  # other settings, no state given
-    alone = target.generate(second, assistant_model=fresh, **call)
+    alone = target.generate(second, assistant_model=fresh, dspark_state=DraftingState(), **call)
+    target.generate(first, assistant_model=used, **call)  # no state given: `used`'s own learns
+    assert rounds(target.generate(second, assistant_model=used, dspark_state=DraftingState(), **call)) == rounds(alone)
+    mirror = DraftingState()  # what `used`'s own state went through
+    target.generate(first, assistant_model=fresh, dspark_state=mirror, **call)
+    expected = target.generate(second, assistant_model=fresh, dspark_state=mirror, **call)
     after = target.generate(second, assistant_model=used, **call)
-    assert rounds(after) == rounds(alone)
+    assert rounds(after) == rounds(expected) != rounds(alone)
+    assert after.sequences.tolist() == alone.sequences.tolist()  # lossless whatever was learnt
+    twin = looping_target()  # the same weights in another model: the drafter's own state for it starts fresh
+    assert rounds(twin.generate(second, assistant_model=used, **call)) == rounds(alone)
 
     state = DraftingState()
     target.generate(first, assistant_model=used, dspark_state=state, **call)
@@ -263,7 +271,8 @@ def test_a_fixed_policy_bounds_eagle3_chains_and_stays_exact():
         expected = target.generate(ids, do_sample=False, max_new_tokens=16)
         for k in (0, 1, 2):
             out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16,
-                                  dspark_verification_policy=("fixed", k), dspark_suffix_drafting=False)
+                                  dspark_verification_policy=("fixed", k), dspark_suffix_drafting=False,
+                                  dspark_round_planning=False)  # every round drafts: the policy alone bounds it
             assert torch.equal(out, expected)
             lengths = drafter.last_generation_stats.draft_lengths
             assert max(lengths) == k, (k, lengths)

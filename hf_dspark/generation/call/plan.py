@@ -1,8 +1,9 @@
 """One plan per `generate()` call: the settings resolved once into what the batch-1 loop and the engine run.
 
 A `DraftingPlan` holds the checked settings, the verification policy and its draft-length rule, the stopping limits,
-and makes the round planner and the target runner. Nothing of it is kept on the drafter: what rounds learn goes to
-the plan's `DraftingState` (`settings.state`), which a later call shares only when it is given the same object.
+and makes the round planner and the target runner. What rounds learn goes to the plan's `DraftingState`
+(`settings.state`): the one the call was given, else, while the call runs, its drafter's own for the target
+(`remembered_state`), which later calls start from.
 """
 
 from __future__ import annotations

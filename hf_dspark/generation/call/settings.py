@@ -12,7 +12,7 @@ call's own keyword arguments.
 | `dspark_learn_round_costs` | True | price rounds with what the loop measures (plain steps first without a table), the table filling gaps |
 | `dspark_verification_policy` | None | `"all"`, `("fixed", k)`, `("threshold", t)`, a scheduler; None derives it |
 | `dspark_time_phases` | None | record per-phase seconds (None: on the CPU only) |
-| `dspark_state` | a new one | the `DraftingState` the call learns into (per call only, never saved) |
+| `dspark_state` | the drafter's own | the `DraftingState` the call learns into (`remembered_state`; never saved) |
 
 transformers fills `num_assistant_tokens=20` and `assistant_confidence_threshold=0.4` into every call's generation
 config that does not set them, so a call's generation config cannot tell those values from unset ones: they are read
@@ -60,6 +60,7 @@ class DraftingSettings:
     verification_policy: object
     time_phases: bool | None
     state: DraftingState
+    state_given: bool = False  # False: `state` is a fresh one, which the call may swap for its drafter's own
 
     @classmethod
     def resolve(cls, drafter, call: dict | None = None) -> "DraftingSettings":
@@ -73,7 +74,7 @@ class DraftingSettings:
                  for name, default in DRAFTING_DEFAULTS.items()}
         state = call.get("dspark_state")
         if state is not None and not isinstance(state, DraftingState):
-            raise UserInputError(f"dspark_state must be a hf_dspark.DraftingState (or None for a fresh one), got "
+            raise UserInputError(f"dspark_state must be a hf_dspark.DraftingState (or None for the drafter's own), got "
                                  f"{type(state).__name__}.")
         return cls(
             num_assistant_tokens=checked_draft_length(value["num_assistant_tokens"], drafter.config.num_draft_slots),
@@ -90,6 +91,7 @@ class DraftingSettings:
             time_phases=None if value["dspark_time_phases"] is None
             else _checked_bool("dspark_time_phases", value["dspark_time_phases"]),
             state=state if state is not None else DraftingState(),
+            state_given=state is not None,
         )
 
 

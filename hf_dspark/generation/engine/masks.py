@@ -1,11 +1,12 @@
-"""The target's attention masks in the batched engine, for targets with sliding-window layers.
+"""The target's attention masks in the batched engine.
 
 The engine's target cache keeps holes (rejected drafts, padding) and a row's real tokens at explicit positions, so a
 cache *slot* is not a position. For full attention that does not matter: transformers' causal mask by slot, with the
 (R, W) validity as padding mask, sees exactly a row's earlier real tokens. A sliding window, though, counts slots, holes
 included: it would see fewer real tokens than the target's own decoding. So for a target with sliding-window layers
-every layer keeps every entry (`transformers_internals.growing_cache`) and the engine builds the masks itself, by
-position, and passes them ready-made (transformers then builds none):
+every layer keeps every entry (`transformers_internals.growing_cache`). The engine builds every target's masks
+itself, by position, and passes them ready-made (transformers then builds none, and reads nothing on the host: from a
+padding mask it checks whether a one-token forward may skip the mask, a device read per plain step):
 
     key j is visible to query i of a row  iff  j is a real entry of the row and pos[j] <= pos[i]
                                                (and pos[i] - pos[j] < window on a sliding layer)
@@ -16,9 +17,11 @@ draft) might otherwise see nothing, and sdpa turns a fully masked row into NaN o
 would read (with weight 0, but 0 * NaN is NaN). A hole's output is never used.
 
 The masks are 4D, (R, 1, Q, K): bool (True = attend) for sdpa, additive float (0 or the dtype's minimum) for eager, as
-transformers' `sdpa_mask`/`eager_mask` make them. A target whose layers are all sliding gets the one mask (its decoder
-returns a 4D mask as given); a target mixing full and sliding layers gets the mapping {layer type: mask} its decoder
-takes instead of building its own (`generate` passes the same)."""
+transformers' `sdpa_mask`/`eager_mask` make them. A target whose attention layers are all of one kind gets the one
+mask (its decoder returns a 4D mask as given); a target mixing full and sliding layers gets the mapping {layer type:
+mask} its decoder takes instead of building its own (`generate` passes the same). A hybrid target (recurrent or
+convolution layers beside full attention) gets the (R, W) padding mask instead: its recurrent layers zero their
+padding from it."""
 
 from __future__ import annotations
 
@@ -44,11 +47,13 @@ class MaskKinds:
 
     kinds: frozenset[str]  # a subset of {FULL, SLIDING}: the attention layers' kinds
     window: int | None  # the sliding layers' window (None without any)
+    recurrent: bool = False  # recurrent or convolution layers beside the attention ones (a hybrid target)
 
     @property
-    def full_only(self) -> bool:
-        """No sliding layers: the 2D padding mask is all a forward needs (recurrent layers read it too)."""
-        return self.kinds <= frozenset({FULL})
+    def padding_mask_only(self) -> bool:
+        """A hybrid target (full attention layers only): its recurrent layers zero their padding from the 2D mask,
+        so a forward gets that, and transformers makes the causal mask by slot from it."""
+        return self.recurrent and self.kinds <= frozenset({FULL})
 
 
 _KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> (its config, MaskKinds)
@@ -87,7 +92,7 @@ def _read_kinds(target) -> MaskKinds:
         )
     text = target.config.get_text_config(decoder=True)
     if SLIDING not in kinds:
-        return MaskKinds(kinds, None)
+        return MaskKinds(kinds, None, bool(every & RECURRENT_KINDS))
     window = getattr(text, "sliding_window", None)
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"This target has sliding-window layers but no usable sliding_window ({window!r}).")
@@ -105,11 +110,11 @@ def _read_kinds(target) -> MaskKinds:
 def target_attention_mask(target, cached_valid: torch.BoolTensor, new_valid: torch.BoolTensor,
                           positions: torch.LongTensor):
     """The `attention_mask` of a target forward appending entries at `positions` (R, Q), real where `new_valid`, to
-    a cache whose real entries are `cached_valid` (R, W): the (R, W + Q) padding mask for full-attention targets
+    a cache whose real entries are `cached_valid` (R, W): the (R, W + Q) padding mask for hybrid targets
     (transformers makes the causal mask), else the masks by position (module docstring)."""
     valid = torch.cat([cached_valid, new_valid], dim=1)
     kinds = mask_kinds(target)
-    if kinds.full_only:
+    if kinds.padding_mask_only:
         return valid.long()
     # A real entry's position is the number of real entries before it in its row.
     key_positions = torch.cat([cached_valid.long().cumsum(dim=1) - 1, positions], dim=1)
@@ -117,7 +122,7 @@ def target_attention_mask(target, cached_valid: torch.BoolTensor, new_valid: tor
     masks = {kind: _by_position(valid, key_positions, positions, kinds.window if kind == SLIDING else None,
                                 target.dtype if eager else None)
              for kind in kinds.kinds}
-    return masks[SLIDING] if len(masks) == 1 else masks
+    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 def _by_position(valid, key_positions, query_positions, window: int | None, additive_dtype) -> torch.Tensor:

@@ -47,13 +47,21 @@ class EngineRoundPlanning:
     """The engine's planner: per request proposals, the batch's pooled drafter acceptance and the round costs."""
 
     def __init__(self, slots: int, *, planning: bool, suffix_drafting: bool, cost_table=None, learn_costs: bool = True,
-                 suffix_acceptance: SuffixAcceptance | None = None, drafter: bool = True):
+                 suffix_acceptance: SuffixAcceptance | None = None, drafter: bool = True, memory: dict | None = None):
+        """`memory`: a `DraftingState.engine` to start from and learn into (the round costs measured, the batch's
+        pooled drafter acceptance and the probe pacing of earlier engines with the same settings)."""
         self.slots, self.planning = slots, planning
         self.suffix_acceptance = (suffix_acceptance if suffix_acceptance is not None else SuffixAcceptance()) \
             if planning and suffix_drafting else None
-        self.costs = RoundCosts(cost_table, learn_costs)
-        self.planner = BatchRoundPlanner(self.costs, drafter_allowed=drafter)
-        self.pool = SlotAcceptance(slots)
+        key = (slots, drafter, learn_costs, id(cost_table))
+        remembered = memory.get(key) if memory is not None else None
+        if remembered is None or remembered[0] is not cost_table:  # the table itself, not another at its address
+            remembered = (cost_table, BatchRoundPlanner(RoundCosts(cost_table, learn_costs), drafter_allowed=drafter),
+                          SlotAcceptance(slots))
+            if memory is not None:
+                memory[key] = remembered
+        _, self.planner, self.pool = remembered
+        self.costs = self.planner.costs
         self.requests: dict[int, RequestProposals] = {}
         self._started = 0.0
         # A batch that returns when its last row is done (generate()): a round is worth how much it shortens the

@@ -7,8 +7,8 @@ length the one rule (`DraftLengthRule`), as in the batch-1 loop. The passes over
 requests' bookkeeping `requests`, the round planning `planning`, transformers' cache internals
 `transformers_internals`.
 
-* Target: one `DynamicCache` of width W for all rows and a (R, W) validity mask, passed as the 2D attention mask
-  (transformers builds the causal 4D mask from it; the causal order is the cache order, which is each row's order).
+* Target: one `DynamicCache` of width W for all rows and a (R, W) validity mask, from which `masks` builds each
+  forward's 4D masks by position (a hybrid target's is the 2D padding mask: transformers builds the causal mask).
 * Drafter: one `DraftContextCache` and a (R, C) validity mask over its context rows. Each round appends, per row,
   the target features of the entries that became valid (the context before the next anchor), then runs the backbone
   on `[anchor, MASK x (gamma-1)]` (valid context and the whole block visible) and the head slot by slot over rows.
@@ -84,7 +84,7 @@ def _round_planning(drafter, plan: DraftingPlan | None, slots: int) -> EngineRou
     settings = plan.settings
     return EngineRoundPlanning(slots, planning=settings.round_planning, suffix_drafting=settings.suffix_drafting,
                                cost_table=settings.cost_table, learn_costs=settings.learn_round_costs,
-                               suffix_acceptance=settings.state.statistics.suffix)
+                               suffix_acceptance=settings.state.statistics.suffix, memory=settings.state.engine)
 
 
 class SpeculativeEngine:
