@@ -111,11 +111,18 @@ def test_a_hole_query_sees_itself_and_eager_masks_are_additive():
     eager = target_attention_mask(sliding_target("gemma2"), cached, new_valid, positions)
     minimum = torch.finfo(torch.float32).min
     assert torch.equal(eager[SLIDING], torch.where(masks[SLIDING], 0.0, minimum))
-    # Full-attention targets get the full mask by position (transformers then reads nothing from a padding mask);
-    # hybrid ones the 2D padding mask, which their recurrent layers read (transformers' causal mask by slot is right).
-    assert torch.equal(target_attention_mask(tiny_target("llama"), cached, new_valid, positions), masks[FULL])
+    # Full-attention targets keep the 2D padding mask: transformers' causal mask by slot is right for them. In a
+    # one-token forward a non-hybrid one gets the mask of the real entries (transformers would read a padding mask
+    # on the host), equal to the full mask by position; a hybrid one still the padding mask, which its recurrent
+    # layers read.
+    llama = tiny_target("llama")
     padding = torch.cat([cached, new_valid], dim=1).long()
-    assert torch.equal(target_attention_mask(tiny_target("lfm2"), cached, new_valid, positions), padding)
+    assert torch.equal(target_attention_mask(llama, cached, new_valid, positions), padding)
+    one = torch.tensor([[True], [True]])
+    by_position = target_attention_mask(sliding_target("gemma3"), cached, one, positions[:, 1:])[FULL]
+    assert torch.equal(target_attention_mask(llama, cached, one, positions[:, 1:]), by_position)
+    lfm2 = tiny_target("lfm2")
+    assert torch.equal(target_attention_mask(lfm2, cached, one, positions[:, 1:]), torch.cat([cached, one], 1).long())
 
 
 # ---------------------------------------------------------------------------------------------------------

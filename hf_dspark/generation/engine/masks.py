@@ -5,8 +5,7 @@ cache *slot* is not a position. For full attention that does not matter: transfo
 (R, W) validity as padding mask, sees exactly a row's earlier real tokens. A sliding window, though, counts slots, holes
 included: it would see fewer real tokens than the target's own decoding. So for a target with sliding-window layers
 every layer keeps every entry (`transformers_internals.growing_cache`). The engine builds every target's masks
-itself, by position, and passes them ready-made (transformers then builds none, and reads nothing on the host: from a
-padding mask it checks whether a one-token forward may skip the mask, a device read per plain step):
+itself, by position, and passes them ready-made (transformers then builds none):
 
     key j is visible to query i of a row  iff  j is a real entry of the row and pos[j] <= pos[i]
                                                (and pos[i] - pos[j] < window on a sliding layer)
@@ -19,9 +18,10 @@ would read (with weight 0, but 0 * NaN is NaN). A hole's output is never used.
 The masks are 4D, (R, 1, Q, K): bool (True = attend) for sdpa, additive float (0 or the dtype's minimum) for eager, as
 transformers' `sdpa_mask`/`eager_mask` make them. A target whose attention layers are all of one kind gets the one
 mask (its decoder returns a 4D mask as given); a target mixing full and sliding layers gets the mapping {layer type:
-mask} its decoder takes instead of building its own (`generate` passes the same). A hybrid target (recurrent or
-convolution layers beside full attention) gets the (R, W) padding mask instead: its recurrent layers zero their
-padding from it."""
+mask} its decoder takes instead of building its own (`generate` passes the same). A target with full attention only
+gets the (R, W) padding mask (transformers' causal mask by slot is right for it; a hybrid's recurrent layers zero
+their padding from it), but in one-token forwards of a non-hybrid one the (R, 1, 1, W) mask of the real entries:
+from a padding mask transformers would first read on the host whether it may skip the mask, a device read per step."""
 
 from __future__ import annotations
 
@@ -48,12 +48,6 @@ class MaskKinds:
     kinds: frozenset[str]  # a subset of {FULL, SLIDING}: the attention layers' kinds
     window: int | None  # the sliding layers' window (None without any)
     recurrent: bool = False  # recurrent or convolution layers beside the attention ones (a hybrid target)
-
-    @property
-    def padding_mask_only(self) -> bool:
-        """A hybrid target (full attention layers only): its recurrent layers zero their padding from the 2D mask,
-        so a forward gets that, and transformers makes the causal mask by slot from it."""
-        return self.recurrent and self.kinds <= frozenset({FULL})
 
 
 _KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> (its config, MaskKinds)
@@ -110,12 +104,18 @@ def _read_kinds(target) -> MaskKinds:
 def target_attention_mask(target, cached_valid: torch.BoolTensor, new_valid: torch.BoolTensor,
                           positions: torch.LongTensor):
     """The `attention_mask` of a target forward appending entries at `positions` (R, Q), real where `new_valid`, to
-    a cache whose real entries are `cached_valid` (R, W): the (R, W + Q) padding mask for hybrid targets
-    (transformers makes the causal mask), else the masks by position (module docstring)."""
+    a cache whose real entries are `cached_valid` (R, W): the (R, W + Q) padding mask for full-attention
+    targets (transformers makes the causal mask), but for one-token forwards of non-hybrid ones, else the masks by
+    position (module docstring)."""
     valid = torch.cat([cached_valid, new_valid], dim=1)
     kinds = mask_kinds(target)
-    if kinds.padding_mask_only:
-        return valid.long()
+    if kinds.kinds <= frozenset({FULL}) and (kinds.recurrent or positions.shape[1] > 1):
+        return valid.long()  # transformers' causal mask by slot is right for full attention
+    if kinds.kinds <= frozenset({FULL}) and target.config._attn_implementation != "eager":
+        # One token per row (a plain step): it sees every real entry and itself. Built here because from a padding
+        # mask transformers would first read on the host whether it may skip the mask.
+        valid[:, -1] = True
+        return valid[:, None, None, :]
     # A real entry's position is the number of real entries before it in its row.
     key_positions = torch.cat([cached_valid.long().cumsum(dim=1) - 1, positions], dim=1)
     eager = target.config._attn_implementation == "eager"

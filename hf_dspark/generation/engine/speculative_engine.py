@@ -7,8 +7,8 @@ length the one rule (`DraftLengthRule`), as in the batch-1 loop. The passes over
 requests' bookkeeping `requests`, the round planning `planning`, transformers' cache internals
 `transformers_internals`.
 
-* Target: one `DynamicCache` of width W for all rows and a (R, W) validity mask, from which `masks` builds each
-  forward's 4D masks by position (a hybrid target's is the 2D padding mask: transformers builds the causal mask).
+* Target: one `DynamicCache` of width W for all rows and a (R, W) validity mask, from which `masks` makes each
+  forward's attention mask (for full attention the 2D padding mask: the causal order is the cache order).
 * Drafter: one `DraftContextCache` and a (R, C) validity mask over its context rows. Each round appends, per row,
   the target features of the entries that became valid (the context before the next anchor), then runs the backbone
   on `[anchor, MASK x (gamma-1)]` (valid context and the whole block visible) and the head slot by slot over rows.
