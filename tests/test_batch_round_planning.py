@@ -217,25 +217,36 @@ def test_generate_route_plans_rounds_with_greedy_identity_and_stats():
     assert sum(state.statistics.suffix.reached.values()) > 0  # the engine scored its proposals into the call's state
 
 
-def test_batched_calls_start_from_what_earlier_calls_learnt():
-    """The engine's planner parts (round costs, pooled acceptance, probe pacing) are kept in the call's state: a
-    batch after another on the same drafter (no state given: its own for this target) plans exactly as a batch
-    given the state an identical first call learnt into; each call's first-round plan used to start from nothing."""
+def test_batched_calls_start_from_the_round_costs_earlier_calls_measured(monkeypatch):
+    """The engine's measured round costs are kept in the call's state: a batch after another on the same drafter
+    (no state given: its own for this target) prices its rounds from what the first measured, and learns on; a
+    state given to the call holds them the same way. Each call learns its drafter's acceptance afresh."""
     target = tiny_target("qwen3")
-    used = tiny_drafter(target, "markov", block_size=4, suffix_drafting=True)
-    fresh = tiny_drafter(target, "markov", block_size=4, suffix_drafting=True)
-    ids, mask = left_pad(repetitive_prompts(3))
-    call = dict(attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, return_dict_in_generate=True,
-                dspark_learn_round_costs=False)  # flat prices: the plans depend on what earlier rounds accepted
+    drafter = tiny_drafter(target, "markov", block_size=4, suffix_drafting=True)
+    prompt_list = repetitive_prompts(3)
+    ids, mask = left_pad(prompt_list)
+    expected = [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW)[0] for p in prompt_list]
+    seen = []
+    original = batched.EngineRoundPlanning.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append((self.costs, dict(self.costs.plain)))
+
+    monkeypatch.setattr(batched.EngineRoundPlanning, "__init__", recording)
     state = DraftingState()
-    first = target.generate(ids, assistant_model=fresh, dspark_state=state, **call)
-    assert state.engine  # the engine's planner parts were kept
-    expected = target.generate(ids, assistant_model=fresh, dspark_state=state, **call)
-    assert target.generate(ids, assistant_model=used, **call).sequences.tolist() == first.sequences.tolist()
-    after = target.generate(ids, assistant_model=used, **call)
-    assert after.speculative_stats.sources == expected.speculative_stats.sources != first.speculative_stats.sources
-    assert after.speculative_stats.draft_lengths == expected.speculative_stats.draft_lengths
-    assert after.sequences.tolist() == first.sequences.tolist()  # lossless whatever was learnt
+    for given in (None, None, state, state):
+        call = {} if given is None else {"dspark_state": given}
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
+                              max_new_tokens=MAX_NEW, **call)
+        for row, reference in enumerate(expected):
+            new = out[row, ids.shape[1]:][: reference.shape[0] - prompt_list[row].shape[1]]
+            assert new.tolist() == reference[prompt_list[row].shape[1]:].tolist()
+    (own, before_first), (own_again, before_second), (given, before_third), (given_again, before_fourth) = seen
+    assert own is own_again and given is given_again and own is not given
+    assert before_first == {} and before_third == {}  # fresh costs: the first plain step is timed
+    assert 3 in before_second and 3 in before_fourth  # the second call starts from the plain step the first timed
+    assert state.engine and own.plain and given.plain
 
 
 def test_a_drafters_own_state_is_never_shared_by_two_running_calls():

@@ -1,6 +1,6 @@
 """The batched engine's passes over the running rows: the target forward, prefilling new prompts (or the new tokens
 of a conversation continued on its parked cache), verifying a round's drafts and committing what was accepted, and
-the token choice of plain decoding (no drafter: every round verifies no drafts and emits one token per row).
+plain decoding's step (no drafter: every round verifies no drafts and emits one token per row).
 
 Nothing here decides what a round does; `speculative_engine.SpeculativeEngine` does, from values it reads on the host."""
 
@@ -16,13 +16,12 @@ from .rows import BatchRows, to_device
 from ..round.drafting import Drafts, round_tokens
 from ..round.verification import verify_drafts
 from .eagle3 import project_queued
-from .requests import ParkedCache, Request
+from .requests import ParkedCache
 from ..round.sampling import RowSampling
 from .checks import new_target_cache
 from .masks import target_attention_mask
 from ..recurrent_states import has_recurrent_layers, keep_recurrent_states, keep_states_after
 from ..transformers_internals import crop_entries, mask_taking_attention, stack_layer_rows
-from ..round.sampling import sample
 
 def target_forward(target, rows: BatchRows, tokens, new_valid, positions, layer_indices, keep: int,
                    feature_device=None):
@@ -162,48 +161,6 @@ def plain_step(target, rows: BatchRows) -> torch.Tensor:
     rows.target_valid = torch.cat([rows.target_valid, new_valid], dim=1)
     rows.target_length = rows.target_length + 1
     return logits[:, -1]
-
-
-class PlainChoice:
-    """Plain decoding's token choice for a set of rows: greedy rows take the argmax (their warpers are empty), sampled
-    rows go through their own warpers (`RowSampling` over those rows only) and draw from their request's generator
-    when it has one (so a request's sample does not depend on its neighbours), else from the engine's.
-
-    When every sampled row has a top-k, the warpers run on the k largest logits only (k the largest of the rows'):
-    a top-k leaves every other token probability 0, so the distribution is the same, without sorting and drawing
-    over the whole vocabulary for top-p and the sampler."""
-
-    def __init__(self, requests: list[Request], device):
-        self.sampled = [row for row, request in enumerate(requests) if request.sampling.do_sample]
-        self.index = to_device(self.sampled, device)
-        settings = [requests[row].sampling for row in self.sampled]
-        self.sampling = RowSampling(settings, device) if settings else None
-        self.top_k = max(s.top_k for s in settings) if settings and all(s.top_k for s in settings) else None
-        self.generators = [requests[row].generator for row in self.sampled]
-        shared = [position for position, generator in enumerate(self.generators) if generator is None]
-        self.shared = to_device(shared, device) if 0 < len(shared) < len(self.sampled) else None
-
-    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.LongTensor:
-        """(R, V) float logits -> (R,) tokens."""
-        tokens = logits.argmax(dim=-1)
-        if not self.sampled:
-            return tokens
-        scores, candidates = logits.index_select(0, self.index), None
-        if self.top_k is not None and self.top_k < scores.shape[-1]:
-            scores, candidates = scores.topk(self.top_k, dim=-1)
-        probs = self.sampling.process(scores).softmax(dim=-1)
-        if all(own is None for own in self.generators):
-            draws = sample(probs, generator)
-        else:
-            draws = torch.empty(len(self.sampled), dtype=torch.long, device=logits.device)
-            for position, own in enumerate(self.generators):
-                if own is not None:
-                    draws[position : position + 1] = sample(probs[position : position + 1], own)
-            if self.shared is not None:
-                draws[self.shared] = sample(probs.index_select(0, self.shared), generator)
-        if candidates is not None:
-            draws = candidates.gather(1, draws[:, None]).squeeze(1)
-        return tokens.index_copy_(0, self.index, draws)
 
 
 def read_lengths(drafts: Drafts) -> tuple[list[int], list[list[float]]]:

@@ -43,25 +43,32 @@ class RequestProposals:
             self.seen = len(tokens)
 
 
+def _remembered_costs(memory: dict | None, cost_table, learn_costs: bool) -> RoundCosts:
+    """The `RoundCosts` kept in `memory` for this setting (the table itself, not another at its address), else new."""
+    key = ("round_costs", learn_costs, id(cost_table))
+    remembered = memory.get(key) if memory is not None else None
+    if remembered is None or remembered.cost_table is not cost_table:
+        remembered = RoundCosts(cost_table, learn_costs)
+        if memory is not None:
+            memory[key] = remembered
+    return remembered
+
+
 class EngineRoundPlanning:
     """The engine's planner: per request proposals, the batch's pooled drafter acceptance and the round costs."""
 
     def __init__(self, slots: int, *, planning: bool, suffix_drafting: bool, cost_table=None, learn_costs: bool = True,
                  suffix_acceptance: SuffixAcceptance | None = None, drafter: bool = True, memory: dict | None = None):
-        """`memory`: a `DraftingState.engine` to start from and learn into (the round costs measured, the batch's
-        pooled drafter acceptance and the probe pacing of earlier engines with the same settings)."""
+        """`memory`: a `DraftingState.engine` whose round costs (what this machine's forwards and drafter passes
+        cost, measured by earlier engines with the same cost-table setting) the engine starts from and learns into.
+        What the drafter's drafts achieve is learnt afresh by each engine: a call's prompts are its own, and a
+        drafter priced out by a few unlucky rounds would otherwise never be probed again."""
         self.slots, self.planning = slots, planning
         self.suffix_acceptance = (suffix_acceptance if suffix_acceptance is not None else SuffixAcceptance()) \
             if planning and suffix_drafting else None
-        key = (slots, drafter, learn_costs, id(cost_table))
-        remembered = memory.get(key) if memory is not None else None
-        if remembered is None or remembered[0] is not cost_table:  # the table itself, not another at its address
-            remembered = (cost_table, BatchRoundPlanner(RoundCosts(cost_table, learn_costs), drafter_allowed=drafter),
-                          SlotAcceptance(slots))
-            if memory is not None:
-                memory[key] = remembered
-        _, self.planner, self.pool = remembered
-        self.costs = self.planner.costs
+        self.costs = _remembered_costs(memory, cost_table, learn_costs)
+        self.planner = BatchRoundPlanner(self.costs, drafter_allowed=drafter)
+        self.pool = SlotAcceptance(slots)
         self.requests: dict[int, RequestProposals] = {}
         self._started = 0.0
         # A batch that returns when its last row is done (generate()): a round is worth how much it shortens the

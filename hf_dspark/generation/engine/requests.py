@@ -123,7 +123,7 @@ class EngineSnapshot:
 
     def undo(self, engine, error: BaseException) -> None:
         """Put `engine` back as it was before the step that raised `error`, and say so on the error."""
-        engine._waiting, engine._rows, engine._sampling, engine._plain_choice = self.waiting, self.rows, None, None
+        engine._waiting, engine._rows, engine._sampling = self.waiting, self.rows, None
         self.restore(engine._requests, engine._parked, engine.verified_tokens_per_round)
         if hasattr(error, "add_note"):
             error.add_note(

@@ -45,7 +45,7 @@ from .checks import (check_drafter, check_left_padded, check_parking, check_resu
                             engine_plan)
 from .requests import (BatchedOutput, EngineGate, EngineSnapshot, ParkedCache, Request, emit, eos_ids,
                               park_finished)
-from .passes import (PlainChoice, commit_round, left_padded, plain_step, prefill, prefill_resumed,
+from .passes import (commit_round, left_padded, plain_step, prefill, prefill_resumed,
                             project_context, read_lengths, verify_round)
 from ..round.sampling import RowSampling, SamplingParams
 from ..round.stats import SpeculativeStats
@@ -163,7 +163,6 @@ class SpeculativeEngine:
         self.device = target.device
         self._vocab_size = target.get_input_embeddings().weight.shape[0]
         self._sampling: tuple[list[int], RowSampling] | None = None  # the current rows' settings, built once
-        self._plain_choice: tuple[list[int], PlainChoice] | None = None  # the same, for plain decoding
         self.stats: dict[int, SpeculativeStats] = {}
         self.keep_stats = keep_stats
         self.returned_stats: dict[int, SpeculativeStats] = {}
@@ -294,8 +293,9 @@ class SpeculativeEngine:
 
     def _row_sampling(self, request_ids: list[int]) -> RowSampling:
         if self._sampling is None or self._sampling[0] != request_ids:
-            self._sampling = (list(request_ids), RowSampling([self._requests[r].sampling for r in request_ids],
-                                                             self.device))
+            requests = [self._requests[r] for r in request_ids]
+            self._sampling = (list(request_ids), RowSampling([q.sampling for q in requests], self.device,
+                                                             [q.generator for q in requests]))
         return self._sampling[1]
 
     def _pop_output(self, request_id: int) -> torch.LongTensor:
@@ -356,9 +356,7 @@ class SpeculativeEngine:
 
     def _choose(self, request_ids: list[int], logits: torch.Tensor) -> torch.LongTensor:
         """Plain decoding's tokens for these rows (the choice is built once per set of rows)."""
-        if self._plain_choice is None or self._plain_choice[0] != request_ids:
-            self._plain_choice = (list(request_ids), PlainChoice([self._requests[r] for r in request_ids], self.device))
-        return self._plain_choice[1].choose(logits, self.generator)
+        return self._row_sampling(request_ids).plain_tokens(logits, self.generator)
 
     def _round(self) -> list[int]:
         """One round for every running row, as the round planner decided from earlier rounds: some rows verify the

@@ -6,7 +6,7 @@ drafting core (`drafting.draft_block`) and the one verification call (`verificat
 * `ProcessorSampling` (batch 1): `generate`'s own `LogitsProcessorList`, with each slot's full context (prompt,
   text so far and the drafts before the slot) for processors that read it, e.g. a repetition penalty;
 * `RowSampling` (the batched engine): each row's `SamplingParams` (temperature, top-k, top-p: context-free
-  warpers), rows with equal settings warped together.
+  warpers), rows with equal settings warped together; also plain decoding's choice (`plain_tokens`).
 
 Sampling draws with an exponential race (argmax p_i / E_i with E_i ~ Exp(1) is distributed as p), which needs no
 host round-trip on any device.
@@ -163,9 +163,11 @@ class SamplingParams:
 class RowSampling:
     """The batched engine: the sampling settings of the current rows, grouped so that rows with equal settings
     share one warper pass. Greedy rows take the argmax and `greedy_verify`; sampled rows draw and go through
-    `rejection_sample`. Everything it needs on the host is known from the settings."""
+    `rejection_sample`. Everything it needs on the host is known from the settings. `plain_tokens` is plain
+    decoding's choice, where a row may draw from a generator of its own (`generators`, None for the shared one)."""
 
-    def __init__(self, settings: list[SamplingParams], device: torch.device):
+    def __init__(self, settings: list[SamplingParams], device: torch.device,
+                 generators: list[torch.Generator | None] | None = None):
         by_setting: dict[SamplingParams, list[int]] = {}
         for row, setting in enumerate(settings):
             by_setting.setdefault(setting, []).append(row)
@@ -176,6 +178,17 @@ class RowSampling:
         self.all_sampled = len(sampled) == len(settings)
         self.any_sampled = bool(sampled)
         self.sampled_rows = torch.tensor(sampled, dtype=torch.long, device=device)
+        generators = generators or [None] * len(settings)
+        self._own_generators = [generators[row] for row in sampled]
+        shared = [position for position, own in enumerate(self._own_generators) if own is None]
+        self._shared = torch.tensor(shared, dtype=torch.long, device=device) \
+            if 0 < len(shared) < len(sampled) else None
+        # When every sampled row has a top-k, plain decoding warps and draws over the k largest logits only (k the
+        # largest of the rows'): a top-k leaves every other token probability 0, so the distribution is the same,
+        # without sorting and drawing over the whole vocabulary for top-p and the sampler.
+        kept = [settings[row] for row in sampled]
+        self._top_k = max(s.top_k for s in kept) if kept and all(s.top_k for s in kept) else None
+        self._sampled_only = RowSampling(kept, device) if kept and not self.all_sampled else self
 
     def process(self, logits: torch.Tensor, drafted: torch.LongTensor | None = None) -> torch.Tensor:
         """(R, ..., V) logits, each row through its own warpers (applied exactly once; they read no context)."""
@@ -204,3 +217,28 @@ class RowSampling:
         distribution = torch.zeros_like(processed)
         distribution[rows] = sampled
         return token, distribution
+
+    def plain_tokens(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.LongTensor:
+        """Plain decoding: (R, V) float logits -> (R,) tokens. Greedy rows take the argmax; sampled rows go through
+        their own warpers and draw from their own generator when they have one (so a request's sample does not
+        depend on its neighbours), else from `generator`."""
+        tokens = logits.argmax(dim=-1)
+        if not self.any_sampled:
+            return tokens
+        rows = self.sampled_rows
+        scores, candidates = logits.index_select(0, rows), None
+        if self._top_k is not None and self._top_k < scores.shape[-1]:
+            scores, candidates = scores.topk(self._top_k, dim=-1)
+        probs = self._sampled_only.process(scores).softmax(dim=-1)
+        if all(own is None for own in self._own_generators):
+            draws = sample(probs, generator)
+        else:
+            draws = torch.empty(len(self._own_generators), dtype=torch.long, device=logits.device)
+            for position, own in enumerate(self._own_generators):
+                if own is not None:
+                    draws[position : position + 1] = sample(probs[position : position + 1], own)
+            if self._shared is not None:
+                draws[self._shared] = sample(probs.index_select(0, self._shared), generator)
+        if candidates is not None:
+            draws = candidates.gather(1, draws[:, None]).squeeze(1)
+        return tokens.index_copy_(0, rows, draws)
