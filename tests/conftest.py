@@ -107,7 +107,7 @@ def pytest_addoption(parser):
 @pytest.fixture(autouse=True)
 def _skewed_drafter_costs(request, monkeypatch):
     factor = request.config.getoption("--drafter-cost-factor")
-    if factor is not None:
+    if factor is not None and request.node.get_closest_marker("synthetic_timings") is None:
         from hf_dspark.scheduling.batch_planner import RoundCosts
         from hf_dspark.scheduling.round_planner import RoundPlanner
         for cls in (RoundCosts, RoundPlanner):

@@ -69,6 +69,7 @@ def test_planner_prices_plain_steps_suffix_proposals_and_the_drafter():
         assert flat.choose([], 0) == ("drafter", 0)  # flat costs: a draft is always worth verifying
 
 
+@pytest.mark.synthetic_timings
 def test_without_a_table_the_planner_prices_rounds_from_its_own_timings():
     """No cost table (a library user's default): plain steps first, timed; then each proposal is priced with the
     forward sizes and drafter passes this loop measured, so a drafter that does not pay for its pass brakes."""
@@ -149,6 +150,7 @@ def test_shipped_style_configs_turn_suffix_drafting_on(tmp_path):
     assert tiny_drafter(target, "eagle3").generation_config.dspark_suffix_drafting is False
 
 
+@pytest.mark.synthetic_timings
 def test_planner_prices_rounds_with_the_costs_measured_in_the_loop():
     # The table says drafting is nearly free and a 4-token forward costs 1.2 plain steps.
     costs = VerificationCostTable([1.0, 1.2, 1.2, 1.2], draft_seconds=0.01)
@@ -202,6 +204,7 @@ class SimulatedClock:
         return advance
 
 
+@pytest.mark.synthetic_timings
 def test_a_drafter_slower_than_its_table_says_is_skipped_and_output_stays_exact(monkeypatch):
     """A table that underprices drafting (profiled elsewhere) would draft every round; timed in the loop, the
     drafter's real cost (here 40 ms a pass on the loop's clock, beside 1 ms target forwards) turns most rounds into

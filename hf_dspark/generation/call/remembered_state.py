@@ -1,7 +1,8 @@
 """What `generate()` calls without `dspark_state=` learn into: one `DraftingState` per drafter, target, device, dtype
 and thread count, kept while the drafter and the target live. A later call then starts from what earlier ones
-measured: this machine's round costs (a plain step, each verification width, the drafter's pass) and the drafter's
-acceptance, instead of spending its first rounds measuring them again (plain steps, then probes that do not pay).
+measured: this machine's round costs (a plain step, each verification width, the drafter's pass; at batch 1 also
+the drafter's acceptance), instead of spending its first rounds measuring them again (plain steps, then probes that
+do not pay).
 
 Outputs never depend on it: a round's plan reads only earlier rounds, and the verifier keeps every output the
 target's whatever is verified. Speed alone does. A call that finds the state in use (another thread generating with
