@@ -235,8 +235,9 @@ class ProposalStatistics:
 @dataclass
 class DraftingState:
     """What rounds learn and later calls start from: the batch-1 loop's `statistics`, and the batched engine's
-    measured round costs (`engine`, per cost-table setting; in memory only). A `generate()` call without `dspark_state=` learns into its drafter's own state for
-    that target, device, dtype and thread count (`call.remembered_state`); pass one to choose what calls share.
+    measured round costs (`engine`, per cost-table setting; in memory only). A `generate()` call without
+    `dspark_state=` learns into its drafter's own state for that target, device, dtype and thread count
+    (`call.remembered_state`); pass one to choose what calls share.
     `reset()` forgets everything, `save(path)` / `DraftingState.load(path)` keep `statistics` across processes
     (JSON)."""
 

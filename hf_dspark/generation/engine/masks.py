@@ -4,8 +4,8 @@ The engine's target cache keeps holes (rejected drafts, padding) and a row's rea
 cache *slot* is not a position. For full attention that does not matter: transformers' causal mask by slot, with the
 (R, W) validity as padding mask, sees exactly a row's earlier real tokens. A sliding window, though, counts slots, holes
 included: it would see fewer real tokens than the target's own decoding. So for a target with sliding-window layers
-every layer keeps every entry (`transformers_internals.growing_cache`). The engine builds every target's masks
-itself, by position, and passes them ready-made (transformers then builds none):
+every layer keeps every entry (`transformers_internals.growing_cache`) and the engine builds the masks itself, by
+position, and passes them ready-made (transformers then builds none):
 
     key j is visible to query i of a row  iff  j is a real entry of the row and pos[j] <= pos[i]
                                                (and pos[i] - pos[j] < window on a sliding layer)
@@ -109,16 +109,17 @@ def target_attention_mask(target, cached_valid: torch.BoolTensor, new_valid: tor
     position (module docstring)."""
     valid = torch.cat([cached_valid, new_valid], dim=1)
     kinds = mask_kinds(target)
-    if kinds.kinds <= frozenset({FULL}) and (kinds.recurrent or positions.shape[1] > 1):
-        return valid.long()  # transformers' causal mask by slot is right for full attention
-    if kinds.kinds <= frozenset({FULL}) and target.config._attn_implementation != "eager":
-        # One token per row (a plain step): it sees every real entry and itself. Built here because from a padding
-        # mask transformers would first read on the host whether it may skip the mask.
-        valid[:, -1] = True
-        return valid[:, None, None, :]
+    eager = target.config._attn_implementation == "eager"
+    if kinds.kinds <= frozenset({FULL}):
+        if kinds.recurrent or positions.shape[1] > 1:
+            return valid.long()  # transformers' causal mask by slot is right for full attention
+        if not eager:
+            # One token per row (a plain step): it sees every real entry and itself. Built here because from a
+            # padding mask transformers would first read on the host whether it may skip the mask.
+            valid[:, -1] = True
+            return valid[:, None, None, :]
     # A real entry's position is the number of real entries before it in its row.
     key_positions = torch.cat([cached_valid.long().cumsum(dim=1) - 1, positions], dim=1)
-    eager = target.config._attn_implementation == "eager"
     masks = {kind: _by_position(valid, key_positions, positions, kinds.window if kind == SLIDING else None,
                                 target.dtype if eager else None)
              for kind in kinds.kinds}
