@@ -109,8 +109,10 @@ def test_a_cpu_drafter_follows_a_gpu_target():
     with pytest.raises(DrafterTargetMismatchError, match=r"drafter is on cpu but .* cuda:0.*drafter.to\('cuda:0'\)"):
         drafter.attach_target(target)  # training's attach (follow=False) names the mismatch
     out = target.generate(prompts(1)[0].cuda(), assistant_model=drafter, do_sample=False, max_new_tokens=8)
-    assert next(drafter.parameters()).device.type == "cuda"
     assert torch.equal(out, target.generate(prompts(1)[0].cuda(), do_sample=False, max_new_tokens=8))
+    # generate() drafts with a copy beside the target (`for_target`) and leaves the drafter's own weights alone.
+    assert next(drafter.parameters()).device.type == "cpu"
+    assert next(drafter.for_target(target).parameters()).device.type == "cuda"
 
 
 # ---------------------------------------------------------------------------------------------------------------

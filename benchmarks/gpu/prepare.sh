@@ -17,9 +17,10 @@ PYTHON=${PYTHON:-python3}
 CARRY=.gpu-carry
 TRANSFORMERS_VERSION=5.24.0
 HUB_VERSION=1.33.0  # the version seen on the GPU image (KINDS.md of the device tool), >= the 1.31 that 5.24 needs
-# Families the check imports: the tests' targets (llama, qwen3, gemma3), the auto classes, the siblings those import
+# Families the check imports: the tests' targets (llama, qwen3, gemma3 and the sliding-window, hybrid and MLA ones the
+# CUDA tests import), the auto classes, the siblings those import
 # (trim_wheel.py adds them), and those that accelerate / peft import at module level (peft: Bloom, GPT-2's Conv1D).
-KEEP_MODELS="auto llama qwen3 gemma3 qwen2 mistral gemma bloom gpt2"
+KEEP_MODELS="auto llama qwen3 gemma3 qwen2 mistral gemma bloom gpt2 lfm2 qwen3_5 gemma4 deepseek_v3 gemma2 llama4 qwen3_next"
 CALL_LIMIT=$((64 * 1024 * 1024))
 MARGIN=$((1024 * 1024))  # room for files that appear before the call (the regeneration job's shards, results)
 
@@ -59,7 +60,7 @@ cat <<EOF
 
 == ready. The GPU check is one call of the device tool's run (README.md beside this script):
 
-    run(command="bash benchmarks/gpu/check.sh", carry=[".gpu-carry/wheels", ".gpu-carry/configs"], timeout_s=480)
+    run(command="bash benchmarks/gpu/check.sh", carry=[".gpu-carry/wheels", ".gpu-carry/configs"], timeout_s=560)
 
 Its files come back under the reply's files_at; copy them into benchmarks/gpu/results/ (README.md) and commit.
 Without a GPU the same code runs on a tiny target: bash benchmarks/gpu/check.sh --cpu-smoke
