@@ -99,7 +99,7 @@ def device(request) -> torch.device:
 def pytest_addoption(parser):
     parser.addoption(
         "--drafter-cost-factor", type=float, default=None,
-        help="audit: multiply every drafter pass's measured seconds by this factor before the round planners learn "
+        help="audit: multiply every drafter pass's measured seconds by this factor before the round planner learns "
              "them (50: a machine where drafting never pays; 0.02: one where it always does). A test whose verdict "
              "changes under it depends on this machine's speed, which no test may.")
 
@@ -108,10 +108,8 @@ def pytest_addoption(parser):
 def _skewed_drafter_costs(request, monkeypatch):
     factor = request.config.getoption("--drafter-cost-factor")
     if factor is not None and request.node.get_closest_marker("synthetic_timings") is None:
-        from hf_dspark.scheduling.batch_planner import RoundCosts
-        from hf_dspark.scheduling.round_planner import RoundPlanner
-        for cls in (RoundCosts, RoundPlanner):
-            recorded = cls.record_draft
-            monkeypatch.setattr(cls, "record_draft",
-                                lambda self, *args, _recorded=recorded: _recorded(self, *args[:-1], args[-1] * factor))
+        from hf_dspark.scheduling.round_costs import RoundCosts
+        recorded = RoundCosts.record_draft
+        monkeypatch.setattr(RoundCosts, "record_draft",
+                            lambda self, rows, seconds: recorded(self, rows, seconds * factor))
     yield

@@ -11,8 +11,10 @@ from hf_dspark import DraftingState
 from hf_dspark.generation.engine import speculative_engine as batched
 from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
-from hf_dspark.scheduling.batch_planner import (DRAFTER, NO_DRAFT, SUFFIX, BatchRoundPlanner, RoundCosts, RowOptions,
-                                                SlotAcceptance, expected_tokens, shortening)
+from hf_dspark.generation.round.planning import RoundPlanning
+from hf_dspark.scheduling.round_costs import RoundCosts
+from hf_dspark.scheduling.round_planner import (DRAFTER, NO_DRAFT, SUFFIX, RoundPlanner, RowOptions, SlotAcceptance,
+                                                expected_tokens, shortening)
 from hf_dspark.scheduling.cost_table import VerificationCostTable
 from lossless_checks import assert_three_tokens_match
 from test_batched import assert_rows_equal, left_pad, plain_greedy, use_oracle
@@ -85,7 +87,7 @@ def test_round_costs_are_a_plain_step_and_ratios_to_it():
 
 
 def test_the_first_round_is_plain_and_the_next_stay_narrow_until_a_wide_one_is_timed():
-    planner = BatchRoundPlanner(RoundCosts(), probe_width=3)
+    planner = RoundPlanner(RoundCosts(), probe_width=3)
     sure = [RowOptions(6, [1.0], expected_tokens([1.0] * 6, 6))] * 2
     assert planner.plan(sure).width == 1
     planner.costs.record_forward(2, 1, 0.02)
@@ -108,7 +110,7 @@ def test_slot_acceptance_and_expected_tokens():
 
 @pytest.mark.synthetic_timings
 def test_plain_steps_when_drafts_do_not_pay_on_a_cpu_like_machine():
-    planner = BatchRoundPlanner(cpu_like_costs())
+    planner = RoundPlanner(cpu_like_costs())
     poor = expected_tokens([0.2] * 4, 4)
     plan = planner.plan([RowOptions(4, [1.0], poor), RowOptions(4, [1.0], poor)])
     assert not plan.use_drafter and plan.sources == [NO_DRAFT, NO_DRAFT] and plan.width == 1
@@ -132,7 +134,7 @@ def test_a_round_of_a_generate_batch_is_worth_the_steps_it_takes_off_the_longest
 
 def test_a_generate_batch_drafts_only_when_every_row_would_advance():
     costs = RoundCosts(learn=False)  # a flat machine: a wide forward costs a plain step, drafting is free
-    planner = BatchRoundPlanner(costs)
+    planner = RoundPlanner(costs)
     likely = expected_tokens([0.9] * 4, 4)
     server = [RowOptions(4, [1.0], likely), RowOptions(4, [1.0], [1.0])]
     assert planner.plan(server).use_drafter  # a server's row that gains is worth its tokens
@@ -144,7 +146,7 @@ def test_a_generate_batch_drafts_only_when_every_row_would_advance():
 
 
 def test_each_row_takes_its_best_proposal_within_the_batch_width():
-    planner = BatchRoundPlanner(cpu_like_costs())
+    planner = RoundPlanner(cpu_like_costs())
     sure_suffix = [1.0, 2.0, 3.0, 4.0, 5.0]  # a suffix proposal whose 4 tokens are surely accepted
     plan = planner.plan([RowOptions(4, sure_suffix, [1.0] * 5), RowOptions(4, [1.0], expected_tokens([0.0] * 4, 4)),
                          RowOptions(4, sure_suffix[:3], [1.0] * 5)])
@@ -155,12 +157,12 @@ def test_each_row_takes_its_best_proposal_within_the_batch_width():
 
 @pytest.mark.synthetic_timings
 def test_a_flat_machine_drafts_and_a_plain_winner_still_probes_the_drafter():
-    flat = BatchRoundPlanner(RoundCosts(learn=False))  # no table, not learning: a flat machine, drafting is free
+    flat = RoundPlanner(RoundCosts(learn=False))  # no table, not learning: a flat machine, drafting is free
     assert flat.plan([RowOptions(3, [1.0], expected_tokens([0.1] * 3, 3))] * 2).use_drafter
-    planner = BatchRoundPlanner(cpu_like_costs(), probe_every=4, max_probe_every=8)
+    planner = RoundPlanner(cpu_like_costs(), probe_every=4, max_probe_every=8)
     measured_poor = [RowOptions(4, [1.0], expected_tokens([0.1] * 4, 4))] * 2  # its optimistic estimate is as poor
     assert not any(planner.plan(measured_poor).use_drafter for _ in range(30))  # nothing left to find: no probe
-    planner = BatchRoundPlanner(cpu_like_costs(), probe_every=4, max_probe_every=8)
+    planner = RoundPlanner(cpu_like_costs(), probe_every=4, max_probe_every=8)
     poor = [RowOptions(4, [1.0], expected_tokens([0.1] * 4, 4), drafter_optimistic=expected_tokens([1.0] * 4, 4))] * 2
     drafted = [planner.plan(poor).use_drafter for _ in range(30)]
     # Every 4th round probes, then every 8th once probes keep losing.
@@ -231,13 +233,13 @@ def test_batched_calls_start_from_the_round_costs_earlier_calls_measured(monkeyp
     ids, mask = left_pad(prompt_list)
     expected = [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW)[0] for p in prompt_list]
     seen = []
-    original = batched.EngineRoundPlanning.__init__
+    original = RoundPlanning.__init__
 
     def recording(self, *args, **kwargs):
         original(self, *args, **kwargs)
         seen.append((self.costs, dict(self.costs.plain)))
 
-    monkeypatch.setattr(batched.EngineRoundPlanning, "__init__", recording)
+    monkeypatch.setattr(RoundPlanning, "__init__", recording)
     state = DraftingState()
     for given in (None, None, state, state):
         call = {} if given is None else {"dspark_state": given}
@@ -250,7 +252,7 @@ def test_batched_calls_start_from_the_round_costs_earlier_calls_measured(monkeyp
     assert own is own_again and given is given_again and own is not given
     assert before_first == {} and before_third == {}  # fresh costs: the first plain step is timed
     assert 3 in before_second and 3 in before_fourth  # the second call starts from the plain step the first timed
-    assert state.engine and own.plain and given.plain
+    assert state.round_costs and own.plain and given.plain
 
 
 def test_a_drafters_own_state_is_never_shared_by_two_running_calls():
@@ -331,7 +333,7 @@ def test_planned_batched_sampling_matches_target_distribution(monkeypatch, kind)
     biased = exact_three_token_distribution(target, prompt, temperature * temperature, top_p)
     # Rows plan differently: each engine's planner is primed so some rows verify suffix proposals, some the
     # drafter's block and some only their anchor, decided from earlier rounds only.
-    original_plan = batched.EngineRoundPlanning.plan
+    original_plan = RoundPlanning.plan
     choices: Counter = Counter()
 
     def varied_plan(self, request_ids, requests, budgets, drafter_possible):
@@ -349,7 +351,7 @@ def test_planned_batched_sampling_matches_target_distribution(monkeypatch, kind)
         choices.update(plan.sources)
         return plan
 
-    monkeypatch.setattr(batched.EngineRoundPlanning, "plan", varied_plan)
+    monkeypatch.setattr(RoundPlanning, "plan", varied_plan)
     batch, calls = 48, 50
     ids = prompt.repeat(batch, 1)
     mask = torch.ones_like(ids)

@@ -34,8 +34,10 @@ WITHOUT_HF_DSPARK = textwrap.dedent("""
     ids = torch.tensor([ids])
     plain = target.generate(ids, max_new_tokens=new_tokens, do_sample=False)
     torch.manual_seed(0)
+    # Every round drafts (no round planning, which would price rounds by this machine's timings): the drafts
+    # accepted are the drafter's, whatever the machine.
     spec = target.generate(ids, assistant_model=drafter, custom_generate=drafter_dir, trust_remote_code=True,
-                           max_new_tokens=new_tokens, do_sample=sample, top_k=0)
+                           max_new_tokens=new_tokens, do_sample=sample, top_k=0, dspark_round_planning=False)
     stats = drafter.last_generation_stats
 
     class Recorder:  # a streamer: generate() puts the prompt, the decoding loop the new tokens, then end()

@@ -286,25 +286,14 @@ def test_a_targets_generation_config_naming_a_file_is_refused_at_generate(models
     assert out.sequences.shape[1] == input_ids.shape[1] + 2
 
 
-GOOD_STATE = {"drafter_expected": 2.5, "drafter_tokens": 3.0, "rounds_without_drafter": 1, "probe_interval": 16,
-              "forward_seconds": {"1": 0.1, "3": 0.2}, "draft_seconds": 0.05,
-              "suffix": {"prior_accepted": 1.0, "prior_rejected": 3.0, "decay": 0.9, "accepted": {"2": 1.5},
+GOOD_STATE = {"suffix": {"prior_accepted": 1.0, "prior_rejected": 3.0, "decay": 0.9, "accepted": {"2": 1.5},
                          "reached": {"2": 2.0}}}
+# What a state saved by an earlier hf_dspark also held (one planner per batch size then): loaded without them.
+RETIRED = {"drafter_expected": 2.5, "drafter_tokens": 3.0, "rounds_without_drafter": 1, "probe_interval": 16,
+           "forward_seconds": {"1": 0.1, "3": 0.2}, "draft_seconds": 0.05}
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"drafter_expected": "abc"}, "drafter_expected"),
-    ({"drafter_expected": 0.5}, "drafter_expected"),
-    ({"drafter_tokens": None}, "drafter_tokens"),
-    ({"rounds_without_drafter": "3"}, "rounds_without_drafter"),
-    ({"rounds_without_drafter": -1}, "rounds_without_drafter"),
-    ({"probe_interval": 0}, "probe_interval"),
-    ({"probe_interval": 2.5}, "probe_interval"),
-    ({"forward_seconds": [0.1]}, "forward_seconds"),
-    ({"forward_seconds": {"x": 0.1}}, "forward_seconds key"),
-    ({"forward_seconds": {"0": 0.1}}, "forward_seconds key"),
-    ({"forward_seconds": {"1": 0}}, "forward_seconds['1']"),
-    ({"draft_seconds": -1}, "draft_seconds"),
     ({"suffix": [1]}, "suffix"),
     ({"suffix": {"accepted": [1]}}, "suffix.accepted"),
     ({"suffix": {"reached": {"2": "many"}}}, "suffix.reached['2']"),
@@ -324,7 +313,9 @@ def test_a_saved_drafting_state_with_a_wrong_field_is_refused_at_load(tmp_path, 
     assert field in message and str(tmp_path / "state.json") in message and "\n" not in message, message
     (tmp_path / "state.json").write_text(json.dumps(GOOD_STATE))
     state = DraftingState.load(tmp_path / "state.json")
-    assert state.statistics.forward_seconds == {1: 0.1, 3: 0.2} and state.statistics.suffix.reached == {2: 2.0}
+    assert state.statistics.suffix.reached == {2: 2.0} and state.statistics.suffix.accepted == {2: 1.5}
+    (tmp_path / "old.json").write_text(json.dumps(RETIRED | GOOD_STATE))
+    assert DraftingState.load(tmp_path / "old.json") == state
     state.save(tmp_path / "again.json")
     assert DraftingState.load(tmp_path / "again.json") == state
     assert DraftingState.from_dict({}) == DraftingState()

@@ -11,7 +11,7 @@ from transformers import TextStreamer
 from hf_dspark.evaluation.prompts import chat_input_ids
 from hf_dspark.models.errors import UserInputError
 from hf_dspark.models.loading import AUTO_DEVICE, load_drafter, shipped_drafter_path
-from hf_dspark.scheduling.round_planner import DraftingState
+from hf_dspark.scheduling.drafting_state import DraftingState
 
 DEVICE_HELP = "where the models run: auto (default: the GPU if there is one, else the CPU), cpu, cuda, cuda:1, mps"
 

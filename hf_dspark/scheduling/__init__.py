@@ -1,7 +1,8 @@
 from .calibration import auroc, expected_calibration_error, fit_sequential_temperatures
 from .cost_table import VerificationCostTable, profile_verification_costs
 from .draft_length import DraftLengthRule, resolve_verification_policy
-from .round_planner import DraftingState, ProposalStatistics, RoundPlanner
+from .drafting_state import DraftingState, ProposalStatistics
+from .round_planner import RoundPlanner
 from .scheduler import DSparkScheduler
 
 __all__ = [

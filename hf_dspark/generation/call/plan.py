@@ -14,8 +14,8 @@ from transformers import StoppingCriteriaList
 
 from ...models.errors import UserInputError
 from ...scheduling.draft_length import DraftLengthRule, resolve_verification_policy
-from ...scheduling.round_planner import RoundPlanner
 from .settings import DraftingSettings
+from ..round.planning import RoundPlanning
 from ..round.stopping import HostStoppingRule, StopLimits
 from ..one_prompt.target_runners import target_runner_for
 
@@ -71,10 +71,14 @@ class DraftingPlan:
     def length_rule(self) -> DraftLengthRule:
         return DraftLengthRule(self.policy, self.policy_arg, self.settings.confidence_threshold_rule)
 
-    def round_planner(self, timed: bool = True) -> RoundPlanner:
-        """Batch 1: which proposer each round uses, learning into the call's state (from timings where `timed`)."""
-        return RoundPlanner(self.settings.cost_table, self.has_confidences, self.state.statistics,
-                            learn_costs=self.settings.learn_round_costs, timed=timed)
+    def round_planning(self, slots: int, timed: bool = True) -> RoundPlanning:
+        """The round planning of a loop of any batch size drafting up to `slots` tokens per row, learning into the
+        call's state; its costs are learnt from timings only where they are `timed` (the batch-1 loop's phase
+        clock is off on accelerators, where rounds are not read back at every phase)."""
+        settings = self.settings
+        return RoundPlanning(slots, planning=settings.round_planning, suffix_drafting=settings.suffix_drafting,
+                             cost_table=settings.cost_table, learn_costs=settings.learn_round_costs and timed,
+                             suffix_acceptance=self.state.statistics.suffix, memory=self.state.round_costs)
 
     def stop_rule(self) -> HostStoppingRule | None:
         return HostStoppingRule.from_limits(self.stop_limits)

@@ -1,7 +1,7 @@
 """What `generate()` calls without `dspark_state=` learn into: one `DraftingState` per drafter, target, device, dtype
 and thread count, kept while the drafter and the target live. A later call then starts from what earlier ones
-measured: this machine's round costs (a plain step, each verification width, the drafter's pass; at batch 1 also
-the drafter's acceptance), instead of spending its first rounds measuring them again (plain steps, then probes that
+measured: this machine's round costs (a plain step, each verification width, the drafter's pass) and how often suffix
+proposals are accepted, instead of spending its first rounds measuring them again (plain steps, then probes that
 do not pay).
 
 Outputs never depend on it: a round's plan reads only earlier rounds, and the verifier keeps every output the
@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from ...scheduling.round_planner import DraftingState
+from ...scheduling.drafting_state import DraftingState
 
 _LOCK = threading.Lock()
 # drafter -> target -> (device, dtype, threads) -> [state, in use]

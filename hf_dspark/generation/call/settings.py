@@ -6,8 +6,8 @@ call's own keyword arguments.
 | `num_assistant_tokens` | None | drafts per round, 1..`num_draft_slots`; None drafts every slot (transformers' name) |
 | `assistant_confidence_threshold` | None | stop drafting below this confidence (confidence-headed drafters) |
 | `dspark_confidence_threshold_rule` | `"cumulative"` | compare the threshold with c_1...c_j, or `"per_slot"`: c_j |
-| `dspark_suffix_drafting` | config | batch 1: also propose suffix matches over the text so far |
-| `dspark_round_planning` | True | batch 1: pick drafter / suffix / plain step per round, from earlier rounds |
+| `dspark_suffix_drafting` | config | also propose suffix matches over each request's text so far |
+| `dspark_round_planning` | True | pick drafter / suffix / plain step per round and request, from earlier rounds |
 | `dspark_cost_table` | None | a `VerificationCostTable` (or its JSON path): schedule draft lengths by throughput |
 | `dspark_learn_round_costs` | True | price rounds with what the loop measures (plain steps first without a table), the table filling gaps |
 | `dspark_verification_policy` | None | `"all"`, `("fixed", k)`, `("threshold", t)`, a scheduler; None derives it |
@@ -37,7 +37,7 @@ from ...models.drafting_config import CALL_ONLY_SETTINGS, DRAFTING_DEFAULTS, OWN
 from ...models.errors import UserInputError
 from ...scheduling.cost_table import VerificationCostTable
 from ...scheduling.draft_length import POLICIES
-from ...scheduling.round_planner import DraftingState
+from ...scheduling.drafting_state import DraftingState
 
 SETTING_NAMES = tuple(DRAFTING_DEFAULTS) + CALL_ONLY_SETTINGS
 PASSED_SETTINGS_KEY = "hf_dspark_drafting_settings"

@@ -1,6 +1,7 @@
 """The batched engine's passes over the running rows: the target forward, prefilling new prompts (or the new tokens
 of a conversation continued on its parked cache), verifying a round's drafts and committing what was accepted, and
-plain decoding's step (no drafter: every round verifies no drafts and emits one token per row).
+plain decoding's step (no drafter: every round verifies no drafts and emits one token per row), and laying suffix
+proposals over the drafter's drafts.
 
 Nothing here decides what a round does; `speculative_engine.SpeculativeEngine` does, from values it reads on the host."""
 
@@ -12,8 +13,8 @@ from ...models.identity import EAGLE3_DRAFTER_TYPE, drafter_type
 from ...models.layers import DraftContextCache
 from ...models.modeling_dspark import DSparkDraftModel
 from ...models.modeling_eagle3 import Eagle3DraftModel
-from .rows import BatchRows, to_device
-from ..round.drafting import Drafts, round_tokens
+from .rows import BatchRows, pad_to, to_device
+from ..round.drafting import Drafts, one_hot_probs, round_tokens
 from ..round.verification import verify_drafts
 from .eagle3 import project_queued
 from .requests import ParkedCache
@@ -170,3 +171,29 @@ def read_lengths(drafts: Drafts) -> tuple[list[int], list[list[float]]]:
     values = torch.cat([drafts.lengths[:, None].to(drafts.confidences.dtype), drafts.confidences], dim=1).tolist()
     lengths = [int(row[0]) for row in values]
     return lengths, [row[1 : 1 + length] for row, length in zip(values, lengths)]
+
+
+def with_suffix_drafts(drafts: Drafts, suffix_rows: dict[int, list[int]], num_rows: int, vocab_size: int,
+                       sampled: bool, device) -> Drafts:
+    """`drafts` with the suffix rows' proposals laid over them: their tokens, their lengths, and (when some row
+    samples) point-mass draft distributions, so rejection sampling accepts a token x with probability min(1, p(x)).
+    Built on the host and copied without waiting; nothing is read back."""
+    width = max(drafts.tokens.shape[1], max(len(tokens) for tokens in suffix_rows.values()))
+    host_tokens = torch.zeros(num_rows, width, dtype=torch.long)
+    host_lengths = torch.zeros(num_rows, dtype=torch.long)
+    is_suffix = torch.zeros(num_rows, dtype=torch.bool)
+    for row, tokens in suffix_rows.items():
+        host_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        host_lengths[row], is_suffix[row] = len(tokens), True
+    suffix_tokens = host_tokens.to(device, non_blocking=True)
+    is_suffix = is_suffix.to(device, non_blocking=True)
+    tokens = pad_to(drafts.tokens, width, 1)
+    tokens = torch.where(is_suffix[:, None], suffix_tokens, tokens)
+    lengths = torch.where(is_suffix, host_lengths.to(device, non_blocking=True), drafts.lengths)
+    probs = None
+    if sampled:
+        vocab = drafts.probs.shape[-1] if drafts.probs is not None else vocab_size
+        base = drafts.probs if drafts.probs is not None else torch.zeros(num_rows, 0, vocab, device=device)
+        probs = torch.where(is_suffix[:, None, None], one_hot_probs(suffix_tokens, vocab), pad_to(base, width, 1))
+    confidences = drafts.confidences
+    return Drafts(tokens, probs, lengths, confidences)

@@ -37,16 +37,15 @@ from ...scheduling.draft_length import DraftLengthRule
 from .rows import BatchRows, to_device
 from ..round.drafting import Drafts, draft_block, draft_input_block, emitted_drafts
 from ..round.verification import verify_drafts
-from ...scheduling.batch_planner import DRAFTER
-from .planning import EngineRoundPlanning, with_suffix_drafts
+from ...scheduling.round_planner import DRAFTER
 from ..call.plan import DraftingPlan
 from .eagle3 import row_drafter_for
 from .checks import (check_drafter, check_left_padded, check_parking, check_resume, check_target, checked_prompt,
                             engine_plan)
 from .requests import (BatchedOutput, EngineGate, EngineSnapshot, ParkedCache, Request, emit, eos_ids,
                               park_finished)
-from .passes import (commit_round, left_padded, plain_step, prefill, prefill_resumed,
-                            project_context, read_lengths, verify_round)
+from .passes import (commit_round, left_padded, plain_step, prefill, prefill_resumed, project_context, read_lengths,
+                     verify_round, with_suffix_drafts)
 from ..round.sampling import RowSampling, SamplingParams
 from ..round.stats import SpeculativeStats
 
@@ -77,16 +76,6 @@ def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor,
     return Drafts(tokens, probs, rule.lengths(confidences, budget), confidences)
 
 
-def _round_planning(drafter, plan: DraftingPlan | None, slots: int) -> EngineRoundPlanning | None:
-    """The engine's round planner, with the plan's settings."""
-    if drafter is None:
-        return None
-    settings = plan.settings
-    return EngineRoundPlanning(slots, planning=settings.round_planning, suffix_drafting=settings.suffix_drafting,
-                               cost_table=settings.cost_table, learn_costs=settings.learn_round_costs,
-                               suffix_acceptance=settings.state.statistics.suffix, memory=settings.state.engine)
-
-
 class SpeculativeEngine:
     """Continuous batching: requests join and leave a running batch between rounds.
 
@@ -103,7 +92,7 @@ class SpeculativeEngine:
     Each request's output is distributed exactly as the target's own decoding of its prompt alone with its own
     settings (greedy: the same tokens), whatever else shares the batch and whenever it joined.
 
-    Each round is planned from earlier rounds (`engine/planning.py`, `scheduling/batch_planner.py`; the drafter's
+    Each round is planned from earlier rounds (`round/planning.py`, `scheduling/round_planner.py`; the drafter's
     `generation_config.dspark_round_planning`): per request the drafter's block, a suffix match of its own text or a
     plain step, with the verification width that pays best at the costs this engine measured; a round in which no
     row drafts does not run the drafter.
@@ -157,7 +146,7 @@ class SpeculativeEngine:
             self.layer_indices, self.feature_device = drafter.target_hidden_state_indices, drafter.device
         self.target, self.drafter, self.plan = target, drafter, plan
         self._draft_rows = row_drafter_for(drafter) or _draft  # this drafter kind's pass, for all rows at once
-        self.planning = _round_planning(drafter, plan, self.gamma)
+        self.planning = plan.round_planning(self.gamma) if drafter is not None else None
         self.policy, self.policy_arg = (plan.policy, plan.policy_arg) if plan is not None else ("all", None)
         self.generator = generator
         self.device = target.device

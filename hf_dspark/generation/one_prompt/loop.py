@@ -35,7 +35,7 @@ def decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, ge
     raw_logits = () if want and generation_config.output_logits else None
 
     sequence = input_ids
-    generator.extend_text(sequence[0].tolist())
+    generator.extend_text(sequence[0].tolist(), prompt=True)
     outputs, target_logits = runner.forward(sequence, keep=1)
     drafts = Drafts.empty(1, sequence.device)
     is_prefill = True
@@ -50,13 +50,13 @@ def decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, ge
         sequence, count, finished, scores, raw_logits = append_until_stop(
             sequence, new_tokens, emitted, stop_rule, stopping_criteria, processed, target_logits, scores, raw_logits)
         if not is_prefill:
-            generator.record_round(emitted_drafts(accepted, count), drafted)
+            generator.record_round(accepted, drafted, emitted_drafts(accepted, count))
         is_prefill = False
         if streamer is not None:
             streamer.put(new_tokens[:, :count].cpu())
         # The cache holds every position but the newest token, as after plain decoding.
         runner.crop(sequence.shape[1] - 1)
-        generator.extend_text(emitted[:count])  # also scores the last proposals for later calls
+        generator.extend_text(emitted[:count])
         if finished:
             break
         drafts = generator.propose(sequence, outputs)
@@ -86,7 +86,5 @@ def _verify_forward(generator, runner, plan: DraftingPlan, sequence, drafts: Dra
         padded = costs.padded_tokens(real)
         tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - real)], dim=-1)
     outputs, target_logits = runner.forward(tokens, keep=tokens.shape[1])
-    finished_at = clock.lap(generator.stats, "verification", started)
-    if clock.enabled:  # the planner prices later rounds with what forwards of this size cost here and now
-        generator.planner.record_forward(tokens.shape[1], finished_at - started)
+    clock.lap(generator.stats, "verification", started)
     return outputs, target_logits[:, :real]

@@ -1,16 +1,17 @@
 """Draft proposers of the batch-1 loop, one per drafter kind.
 
 Each round they take the target's hidden states at the drafter's layers for the positions committed since the
-last round (the accepted tokens), and propose the next round's drafts. With round planning they first decide, from
-earlier rounds only, whether the drafter's block, a suffix match over the text so far (`dspark_suffix_drafting`)
-or no draft at all (a plain decoding step) gives the most expected tokens per second; the drafter then runs only
-in the rounds that use it and catches up on the context rows it skipped in one pass. The user's logits processors
-are applied exactly once to each draft slot, with the same context the target's slot will see during
-verification, and the distributions are returned so that the verifier uses the very distribution the tokens
-were sampled from (one-hot for a suffix proposal). DSpark and DFlash draft through the same core as the batched
-engine (`round.drafting.draft_block`, R = 1) and verify the length the plan's `DraftLengthRule` picks; a round reads the
-device once here (the verified length and its confidences) and once in the loop (the verification's outcome).
-Every setting comes from the call's `DraftingPlan`; what rounds learn goes to its `DraftingState`.
+last round (the accepted tokens), and propose the next round's drafts. The round is planned as in the batched engine,
+by the same `round.planning.RoundPlanning` at R = 1: from earlier rounds only, the drafter's block, a suffix match
+over the text so far (`dspark_suffix_drafting`) or no draft at all (a plain decoding step), priced by what it is
+expected to emit per second; the drafter then runs only in the rounds that use it and catches up on the context rows
+it skipped in one pass. The user's logits processors are applied exactly once to each draft slot, with the same
+context the target's slot will see during verification, and the distributions are returned so that the verifier uses
+the very distribution the tokens were sampled from (one-hot for a suffix proposal). DSpark and DFlash draft through
+the same core as the batched engine (`round.drafting.draft_block`, R = 1) and verify the length the plan's
+`DraftLengthRule` picks; a round reads the device once here (the verified length and its confidences) and once in the
+loop (the verification's outcome). Every setting comes from the call's `DraftingPlan`; what rounds learn goes to its
+`DraftingState`.
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ from ...models.identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, drafter_
 from ...models.layers import DraftContextCache
 from ...models.modeling_dspark import DSparkDraftModel
 from ...models.modeling_eagle3 import Eagle3DraftModel
-from ...scheduling.round_planner import DRAFTER, NO_DRAFT, SUFFIX
+from ...scheduling.round_planner import DRAFTER, NO_DRAFT, SUFFIX, RoundPlan
 from ..round.drafting import Drafts, draft_block, draft_input_block, one_hot_probs
 from ..engine.eagle3 import context_pass, draft_chain
 from ..call.plan import DraftingPlan
 from ..round.sampling import ProcessorSampling
 from ..round.stats import PhaseClock, SpeculativeStats
-from ..round.suffix import SuffixProposer
 
 
 class DraftCandidateGenerator:
@@ -53,9 +53,13 @@ class DraftCandidateGenerator:
         self.stats = SpeculativeStats()
         self.clock = PhaseClock(drafter.device, plan.settings.time_phases)
         self._round_confidences: list[float] = []
-        self._round_source = NO_DRAFT
-        self.suffix = (SuffixProposer(plan.state.statistics.suffix) if plan.settings.suffix_drafting else None)
-        self.planner = plan.round_planner(timed=self.clock.enabled)
+        self.rule = plan.length_rule()
+        self.planning = plan.round_planning(self.rule.max_slots(plan.draft_length), timed=self.clock.enabled)
+        self.planning.finish_together = True  # a generate() call: a round is worth the tokens it saves this call
+        self.text = _OnePrompt([], generation_config.max_length)
+        self._round = RoundPlan(False, [NO_DRAFT], [0])
+        self._verification_started = 0.0
+        self._draft_timed = True
 
     @torch.no_grad()
     def propose(self, input_ids: torch.LongTensor, model_outputs) -> Drafts:
@@ -64,43 +68,42 @@ class DraftCandidateGenerator:
         self._observe(input_ids, model_outputs)
         self.sampling.sequence = input_ids
         budget = min(self.plan.draft_length, self.max_length - input_ids.shape[1] - 1)
-        self._round_confidences, self._round_source = [], NO_DRAFT
-        if budget <= 0:
-            return Drafts.empty(1, input_ids.device)
-        proposal, match = self.suffix.propose(budget) if self.suffix is not None else ([], 0)
-        source, length = DRAFTER, 0
-        if self.plan.settings.round_planning:
-            started = self.clock.now()
-            source, length = self.planner.choose(proposal, match)
-            self.clock.lap(self.stats, "planning", started)
-        if source == SUFFIX:
-            self._round_source = SUFFIX
-            return self._suffix_drafts(input_ids, proposal[:length])
-        if source == NO_DRAFT:
-            return Drafts.empty(1, input_ids.device)
-        self._round_source = DRAFTER
-        features = torch.cat(self._pending, dim=1)
-        self._pending = []
-        self.context_length = self.observed_length
+        self._round_confidences = []
         started = self.clock.now()
-        drafts = self._draft(input_ids, features, budget)
-        if self.clock.enabled and features.shape[1] <= self.drafter.config.num_draft_slots + 1:
-            # A round's own cost (the first after the prompt also reads every prompt row, once per call).
-            self.planner.record_draft(self.clock.now() - started)
-        self.planner.record_drafter(self._round_confidences)
+        self._round = plan = self.planning.plan([0], [self.text], [max(budget, 0)],
+                                                drafter_possible=budget > 0 and self.rule.needs_drafts())
+        self.clock.lap(self.stats, "planning", started)
+        source, length = plan.sources[0], plan.lengths[0]
+        if source == SUFFIX:
+            drafts = self._suffix_drafts(input_ids, self.planning.suffix_rows(plan, [0])[0])
+        elif source == DRAFTER:
+            features = torch.cat(self._pending, dim=1)
+            self._pending = []
+            self.context_length = self.observed_length
+            # The first pass after the prompt reads every prompt row, once per call: not what a round costs.
+            self._draft_timed = features.shape[1] <= self.drafter.config.num_draft_slots + 1
+            drafts = self._draft(input_ids, features, length)
+        else:
+            drafts = Drafts.empty(1, input_ids.device)
+        self._verification_started = self.planning.drafted()
         return drafts
 
-    def record_round(self, num_accepted: int, draft_length: int) -> None:
-        """After verification (host values): the round's statistics."""
-        if self._round_source == DRAFTER:
-            self.planner.record_drafter_accepted(num_accepted, draft_length)
-        self.stats.record(draft_length, num_accepted, self._round_confidences, self._round_source)
+    def record_round(self, num_accepted: int, draft_length: int, emitted: int) -> None:
+        """After verification (host values): what the round taught the planner (its acceptance, its passes' costs,
+        timed from the plan to this read) and the round's statistics. `num_accepted` drafts were accepted and
+        `emitted` of them kept before a stop."""
+        self.planning.record(self._round, [0], [draft_length], [num_accepted], draft_length + 1,
+                             self._verification_started, self._draft_timed)
+        self.stats.record(draft_length, emitted, self._round_confidences, self._round.sources[0])
 
-    def extend_text(self, new_tokens: list[int]) -> None:
-        """Tell the suffix proposer about tokens appended to the sequence (the prompt, then each round's output, as
-        host ints); it scores its proposals so far against the text that followed them."""
-        if self.suffix is not None:
-            self.suffix.extend(new_tokens)
+    def extend_text(self, new_tokens: list[int], prompt: bool = False) -> None:
+        """Tokens appended to the sequence (the prompt, then each round's output, as host ints), which the planner's
+        suffix proposer reads (scoring its proposals so far against the text that followed them)."""
+        self.text.tokens.extend(new_tokens)
+        if prompt:
+            self.text.max_new_tokens -= len(new_tokens)
+        else:
+            self.text.emitted += len(new_tokens)
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -140,10 +143,6 @@ class DSparkCandidateGenerator(DraftCandidateGenerator):
 
     drafter: DSparkDraftModel
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rule = self.plan.length_rule()
-
     def _backbone(self, input_ids, features):
         block = draft_input_block(input_ids[:, -1], self.drafter.config)
         return self.drafter(input_ids=block, target_hidden_states=features, cache=self.cache)
@@ -175,7 +174,7 @@ class Eagle3CandidateGenerator(DraftCandidateGenerator):
 
     def _draft(self, input_ids, features, budget) -> Drafts:
         started = self.clock.now()
-        budget = self.plan.length_rule().max_slots(budget)  # ("fixed", k): a chain drafts only what is verified
+        budget = self.rule.max_slots(budget)  # ("fixed", k): a chain drafts only what is verified
         # Row t pairs the target feature at t with the token at t + 1; the features are the newest rows.
         first_row = self.context_length - features.shape[1]
         next_tokens = input_ids[:, first_row + 1 : self.context_length + 1]
@@ -197,3 +196,10 @@ def candidate_generator_for(
     if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
         return Eagle3CandidateGenerator(drafter, logits_processor, generation_config, plan)
     raise TypeError(f"no candidate generator for {type(drafter).__name__}")
+
+
+class _OnePrompt:
+    """The prompt's text as the round planner reads a request: its tokens so far, the tokens it may still emit."""
+
+    def __init__(self, tokens: list[int], max_length: int):
+        self.tokens, self.max_new_tokens, self.emitted = tokens, max_length, 0

@@ -1,25 +1,22 @@
-"""Round planning in the engine: what each running request proposes this round (the drafter's block, a suffix match
-over its own text, or nothing), priced by `scheduling.batch_planner.BatchRoundPlanner`, and what each round teaches
-the planner (per-request drafter acceptance, suffix acceptance, the measured cost of the round's passes).
+"""Round planning, one implementation for every batch size (the batch-1 loop runs it at R = 1): what each running
+request proposes this round (the drafter's block, a suffix match over its own text, or nothing), priced by
+`scheduling.round_planner.RoundPlanner`, and what each round teaches the planner (per-request drafter acceptance,
+suffix acceptance, the measured cost of the round's passes).
 
-The engine asks `EngineRoundPlanning.plan` before drafting, drafts only the rows the plan gives the drafter (and runs
-the drafter only when some row drafts), lays each suffix row's proposal over the drafts (`with_suffix_drafts`), and
-reports the round's outcome to `record`. With `dspark_round_planning=False` every row drafts its whole budget every
-round (the drafter's block, never a suffix), as without a planner.
+A loop asks `RoundPlanning.plan` before drafting, drafts only the rows the plan gives the drafter (and runs the
+drafter only when some row drafts), verifies each suffix row's proposal in place of drafts, and reports the round's
+outcome to `record`. With `dspark_round_planning=False` every row drafts its whole budget every round (the drafter's
+block, never a suffix), as without a planner.
 """
 
 from __future__ import annotations
 
 import time
 
-import torch
-
-from ...scheduling.batch_planner import (DRAFTER, NO_DRAFT, SUFFIX, BatchRoundPlanner, RoundCosts, RowOptions,
-                                        RoundPlan, SlotAcceptance, expected_tokens)
-from ...scheduling.round_planner import SuffixAcceptance
-from .rows import pad_to, to_device
-from ..round.drafting import Drafts, one_hot_probs
-from ..round.suffix import SuffixProposer
+from ...scheduling.round_costs import RoundCosts
+from ...scheduling.round_planner import (DRAFTER, NO_DRAFT, SUFFIX, RoundPlan, RoundPlanner, RowOptions, SlotAcceptance,
+                                        SuffixAcceptance, expected_tokens)
+from .suffix import SuffixProposer
 
 # How many observations the batch's pooled drafter acceptance weighs in each request's own estimate, and the
 # pooled estimate's own prior (an even chance per slot, one observation: the drafter is tried early).
@@ -54,25 +51,25 @@ def _remembered_costs(memory: dict | None, cost_table, learn_costs: bool) -> Rou
     return remembered
 
 
-class EngineRoundPlanning:
-    """The engine's planner: per request proposals, the batch's pooled drafter acceptance and the round costs."""
+class RoundPlanning:
+    """A loop's planner: per request proposals, the batch's pooled drafter acceptance and the round costs."""
 
     def __init__(self, slots: int, *, planning: bool, suffix_drafting: bool, cost_table=None, learn_costs: bool = True,
                  suffix_acceptance: SuffixAcceptance | None = None, drafter: bool = True, memory: dict | None = None):
-        """`memory`: a `DraftingState.engine` whose round costs (what this machine's forwards and drafter passes
-        cost, measured by earlier engines with the same cost-table setting) the engine starts from and learns into.
-        What the drafter's drafts achieve is learnt afresh by each engine: a call's prompts are its own, and a
+        """`memory`: a `DraftingState.round_costs` whose round costs (what this machine's forwards and drafter passes
+        cost, measured by earlier loops with the same cost-table setting) the loop starts from and learns into.
+        What the drafter's drafts achieve is learnt afresh by each loop: a call's prompts are its own, and a
         drafter priced out by a few unlucky rounds would otherwise never be probed again."""
         self.slots, self.planning = slots, planning
         self.suffix_acceptance = (suffix_acceptance if suffix_acceptance is not None else SuffixAcceptance()) \
             if planning and suffix_drafting else None
         self.costs = _remembered_costs(memory, cost_table, learn_costs)
-        self.planner = BatchRoundPlanner(self.costs, drafter_allowed=drafter)
+        self.planner = RoundPlanner(self.costs, drafter_allowed=drafter)
         self.pool = SlotAcceptance(slots)
         self.requests: dict[int, RequestProposals] = {}
         self._started = 0.0
         # A batch that returns when its last row is done (generate()): a round is worth how much it shortens the
-        # longest row's work (`batch_planner.shortening`), so tokens of rows that do not all advance are not paid for.
+        # longest row's work (`round_planner.shortening`), so tokens of rows that do not all advance are not paid for.
         self.finish_together = False
 
     def forget(self, request_id: int) -> None:
@@ -113,11 +110,12 @@ class EngineRoundPlanning:
         return time.perf_counter()
 
     def record(self, plan: RoundPlan, request_ids: list[int], lengths: list[int], accepted: list[int],
-               width: int, verification_started: float) -> None:
-        """The round's outcome (host values): each drafter row's acceptance, the passes' costs."""
+               width: int, verification_started: float, draft_timed: bool = True) -> None:
+        """The round's outcome (host values): each drafter row's acceptance, the passes' costs (the drafter's only
+        when `draft_timed`: a pass that also read a whole prompt's context costs what later rounds do not)."""
         finished = time.perf_counter()
         rows = len(request_ids)
-        if plan.use_drafter:
+        if plan.use_drafter and draft_timed:
             self.costs.record_draft(rows, verification_started - self._started)
         self.costs.record_forward(rows, width, finished - verification_started)
         for request_id, source, length, count in zip(request_ids, plan.sources, lengths, accepted):
@@ -129,29 +127,3 @@ class EngineRoundPlanning:
         """Row -> the tokens its suffix proposal verifies this round."""
         return {row: self.requests[request_id].proposal[: plan.lengths[row]]
                 for row, (request_id, source) in enumerate(zip(request_ids, plan.sources)) if source == SUFFIX}
-
-
-def with_suffix_drafts(drafts: Drafts, suffix_rows: dict[int, list[int]], num_rows: int, vocab_size: int,
-                       sampled: bool, device) -> Drafts:
-    """`drafts` with the suffix rows' proposals laid over them: their tokens, their lengths, and (when some row
-    samples) point-mass draft distributions, so rejection sampling accepts a token x with probability min(1, p(x)).
-    Built on the host and copied without waiting; nothing is read back."""
-    width = max(drafts.tokens.shape[1], max(len(tokens) for tokens in suffix_rows.values()))
-    host_tokens = torch.zeros(num_rows, width, dtype=torch.long)
-    host_lengths = torch.zeros(num_rows, dtype=torch.long)
-    is_suffix = torch.zeros(num_rows, dtype=torch.bool)
-    for row, tokens in suffix_rows.items():
-        host_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        host_lengths[row], is_suffix[row] = len(tokens), True
-    suffix_tokens = host_tokens.to(device, non_blocking=True)
-    is_suffix = is_suffix.to(device, non_blocking=True)
-    tokens = pad_to(drafts.tokens, width, 1)
-    tokens = torch.where(is_suffix[:, None], suffix_tokens, tokens)
-    lengths = torch.where(is_suffix, host_lengths.to(device, non_blocking=True), drafts.lengths)
-    probs = None
-    if sampled:
-        vocab = drafts.probs.shape[-1] if drafts.probs is not None else vocab_size
-        base = drafts.probs if drafts.probs is not None else torch.zeros(num_rows, 0, vocab, device=device)
-        probs = torch.where(is_suffix[:, None, None], one_hot_probs(suffix_tokens, vocab), pad_to(base, width, 1))
-    confidences = drafts.confidences
-    return Drafts(tokens, probs, lengths, confidences)

@@ -1,0 +1,131 @@
+"""What rounds learn and later calls start from (`DraftingState`), and its checked JSON form."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from ..models.config_checks import is_finite_number
+from ..models.errors import UserInputError
+from ..models.json_files import read_json
+from .round_planner import SuffixAcceptance
+
+@dataclass
+class ProposalStatistics:
+    """What earlier rounds taught that later calls, and later processes, start from: how often suffix proposals are
+    accepted per match length (text that repeats itself is a habit of the workload, not of one call). What the
+    drafter's drafts achieve is learnt afresh by each call, whose prompts are its own."""
+
+    suffix: SuffixAcceptance = field(default_factory=SuffixAcceptance)
+
+
+@dataclass
+class DraftingState:
+    """What rounds learn and later calls start from: `statistics`, and the round costs measured on this machine
+    (`round_costs`: a `RoundCosts` per cost-table setting, in memory only). A `generate()` call without
+    `dspark_state=` learns into its drafter's own state for that target, device, dtype and thread count
+    (`call.remembered_state`); pass one to choose what calls share, at every batch size.
+    `reset()` forgets everything, `save(path)` / `DraftingState.load(path)` keep `statistics` across processes
+    (JSON)."""
+
+    statistics: ProposalStatistics = field(default_factory=ProposalStatistics)
+    round_costs: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def reset(self) -> None:
+        self.statistics = ProposalStatistics()
+        self.round_costs = {}
+
+    def to_dict(self) -> dict:
+        return asdict(self.statistics)
+
+    @classmethod
+    def from_dict(cls, saved: dict, source: str = "a saved DraftingState") -> "DraftingState":
+        """The inverse of `to_dict` (JSON keeps dict keys as strings: match lengths are ints), every field checked
+        for its type and range: a `UserInputError` (a ValueError) naming the field, the value and `source` (the
+        file) otherwise, rather than a failure rounds later inside the planner."""
+        return cls(_checked_statistics(saved, source))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DraftingState":
+        saved = read_json(path, "drafting state", _STATE_FIX)
+        return cls.from_dict(saved, str(path))
+
+
+_STATE_FIX = "save one with DraftingState.save(path)"
+# Fields that states saved by hf_dspark before one planner served every batch size hold (the drafter's smoothed
+# estimate, probe pacing, per-size forward seconds): no longer learnt across calls, so a file with them loads
+# without them.
+_RETIRED_FIELDS = ("drafter_expected", "drafter_tokens", "rounds_without_drafter", "probe_interval",
+                   "forward_seconds", "draft_seconds")
+
+
+def _checked_statistics(saved, source: str) -> ProposalStatistics:
+    """`ProposalStatistics` from their saved fields, each checked (see `DraftingState.from_dict`); a field left out
+    keeps its default."""
+    if isinstance(saved, dict):
+        saved = {key: value for key, value in saved.items() if key not in _RETIRED_FIELDS}
+    saved = _checked_fields(saved, ProposalStatistics, "", source)
+    suffix = _checked_fields(saved.pop("suffix", {}), SuffixAcceptance, "suffix.", source)
+    check, defaults = _StateCheck(source), SuffixAcceptance()
+    for name in ("prior_accepted", "prior_rejected"):
+        suffix[name] = check.number(suffix, f"suffix.{name}", 0.0, default=getattr(defaults, name))
+    prior = suffix["prior_accepted"] + suffix["prior_rejected"]
+    check.require(prior > 0, "suffix.prior_accepted + suffix.prior_rejected", prior, "> 0")
+    suffix["decay"] = check.number(suffix, "suffix.decay", 0.0, high=1.0, default=defaults.decay)
+    for name in ("accepted", "reached"):
+        suffix[name] = check.counts(suffix, f"suffix.{name}", 0, lambda v, n: check.value(v, n, 0.0))
+    return ProposalStatistics(suffix=SuffixAcceptance(**suffix))
+
+
+def _checked_fields(saved, kind, prefix: str, source: str) -> dict:
+    """A copy of `saved`, refused unless it is a dict whose keys are fields of the dataclass `kind`."""
+    names = [f.name for f in fields(kind)]
+    what = prefix.rstrip(".") or "a DraftingState"
+    if not isinstance(saved, dict):
+        raise UserInputError(f"{source}: {what} is a {type(saved).__name__}, not an object of {', '.join(names)}; "
+                             f"{_STATE_FIX}.")
+    unknown = sorted(repr(prefix + str(key))[:60] for key in set(saved) - set(names))
+    if unknown:
+        raise UserInputError(f"{source}: unknown field(s) {', '.join(unknown[:8])} (the "
+                             f"fields of {what} are {', '.join(names)}); {_STATE_FIX}.")
+    return dict(saved)
+
+
+class _StateCheck:
+    """Checks of saved DraftingState fields; each failure is one `UserInputError` naming field, value and source."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def require(self, ok: bool, name: str, value, expected: str) -> None:
+        if not ok:
+            raise UserInputError(f"{self.source}: field {name} is {repr(value)[:80]}, not {expected}; {_STATE_FIX}.")
+
+    def value(self, value, name: str, low: float, above: bool = False, high: float | None = None) -> float:
+        """`value` as a float: a finite number >= low (> low when `above`), <= high when given."""
+        ok = is_finite_number(value) and (value > low if above else value >= low) and (high is None or value <= high)
+        self.require(ok, name, value, f"a finite number {'>' if above else '>='} {low}"
+                     + (f" and <= {high}" if high is not None else ""))
+        return float(value)
+
+    def number(self, saved: dict, name: str, low: float, high: float | None = None, default: float | None = None):
+        """The float at `saved[name]` (the last part of a dotted name), `default` when left out."""
+        return self.value(saved.get(name.rsplit(".", 1)[-1], default), name, low, high=high)
+
+    def counts(self, saved: dict, name: str, low: int, check) -> dict:
+        """`saved[name]` as {int >= low: check(value)}; JSON keeps the int keys as strings of digits."""
+        table = saved.get(name.rsplit(".", 1)[-1], {})
+        self.require(isinstance(table, dict), name, table, f"an object of int keys >= {low}")
+        checked = {}
+        for key, value in table.items():
+            digits = isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,12}", key)
+            number = int(key) if digits else key
+            self.require(isinstance(number, int) and not isinstance(number, bool) and number >= low,
+                         f"{name} key", key, f"an int >= {low}")
+            checked[number] = check(value, f"{name}[{key!r}]")
+        return checked

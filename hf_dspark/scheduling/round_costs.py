@@ -1,0 +1,119 @@
+"""What a round costs on this machine, as the loop measures it (`RoundCosts`), for the round planner to price rounds.
+
+Timed between the host reads a round makes anyway: a plain step's seconds per row count and, relative to it, what
+each width of forward and the drafter's pass cost. A `VerificationCostTable`, when given, prices what was not measured
+yet. One `RoundCosts` serves every batch size; a call keeps it in its `DraftingState`, so later calls start from it.
+"""
+
+from __future__ import annotations
+
+from .cost_table import VerificationCostTable
+
+
+class RoundCosts:
+    """What a round costs, as a plain step's seconds per row count and ratios to it, so that a change of load
+    (which scales every forward alike) moves one measured figure, not every shape's:
+
+        F(R, W) = plain(R) * widening(R, W)             the target forward, R rows of W tokens
+        D(R)    = plain(R) * draft_ratio(R)             the drafter's pass over R rows
+
+    `plain(R)` is measured in this loop (smoothed; a burst clipped at twice the estimate; a shape's first run, which
+    may warm caches, provisional until its second; lowered by any wider forward that ran faster), else interpolated
+    over the row counts measured (flat beyond them), else the cost table's (R tokens), else 1. `widening(R, W)` is learnt
+    per shape from every wider forward: at the row count measured nearest to R, linear between the widths measured
+    there (1 at W = 1), the last rise continued beyond the widest (a forward's cost is not linear in its width: on a
+    CPU going from 1 to 2 tokens per row costs more than from 2 to 3); else the table's, else 1 (a flat machine).
+    `knows_widths` tells the planner whether wide rounds are priced from a measure."""
+
+    def __init__(self, cost_table: VerificationCostTable | None = None, learn: bool = True, smoothing: float = 0.3):
+        self.cost_table, self.learn, self.smoothing = cost_table, learn, smoothing
+        self.plain: dict[int, float] = {}
+        self.widening: dict[tuple[int, int], float] = {}  # (rows, width) -> F(R, W) / plain(R), as measured
+        self.draft_ratio: dict[int, float] = {}
+        self._runs: dict = {}  # shape -> how many times it ran
+
+    def record_forward(self, rows: int, width: int, seconds: float) -> None:
+        if not self.learn:
+            return
+        if width == 1:
+            self.plain[rows] = self._learnt(("forward", rows, 1), self.plain.get(rows), seconds)
+        elif self.knows_plain():
+            if rows in self.plain and seconds < self.plain[rows]:
+                # A wider forward never costs less than a plain step: the plain estimate is stale (load fell).
+                self.plain[rows] = seconds
+            ratio = max(seconds / self.plain_seconds(rows), 1.0)
+            shape = ("forward", rows, width)
+            self.widening[rows, width] = self._learnt(shape, self.widening.get((rows, width)), ratio)
+
+    def record_draft(self, rows: int, seconds: float) -> None:
+        if self.learn and self.knows_plain():
+            ratio = seconds / self.plain_seconds(rows)
+            self.draft_ratio[rows] = self._learnt(("draft", rows), self.draft_ratio.get(rows), ratio)
+
+    def _learnt(self, shape, previous: float | None, value: float) -> float:
+        """The estimate after a run of `shape`. A shape's first run may fill cold caches or pick kernels, seconds
+        that later rounds do not pay: it stands only until the second run replaces it (until then it prices the
+        shape high, which keeps the planner from repeating a round that did not pay). Later runs are smoothed in."""
+        runs = self._runs[shape] = self._runs.get(shape, 0) + 1
+        if runs == 1:
+            return value if previous is None else previous
+        if runs == 2:
+            return value
+        return previous + self.smoothing * (min(value, 2.0 * previous) - previous)
+
+    def knows_plain(self) -> bool:
+        """Whether a plain step has a price: measured, tabled, or fixed (not learning: flat without a table)."""
+        return bool(self.plain) or self.cost_table is not None or not self.learn
+
+    def knows_widths(self) -> bool:
+        return bool(self.widening) or self.cost_table is not None or not self.learn
+
+    def plain_seconds(self, rows: int) -> float:
+        if rows in self.plain:
+            return self.plain[rows]
+        if self.plain:
+            return interpolated(self.plain, rows)
+        return self._tabled(rows) if self.cost_table is not None else 1.0
+
+    def forward_seconds(self, rows: int, width: int) -> float:
+        plain = self.plain_seconds(rows)
+        if width == 1:
+            return plain
+        if self.widening:
+            nearest = min({r for r, _ in self.widening}, key=lambda r: (abs(r - rows), r))
+            measured = {w: ratio for (r, w), ratio in self.widening.items() if r == nearest}
+            return plain * extended({1: 1.0, **measured}, width)
+        if self.cost_table is not None:
+            return plain * self._tabled(rows * width) / self._tabled(rows)
+        return plain
+
+    def draft_seconds(self, rows: int) -> float:
+        if self.draft_ratio:
+            return self.plain_seconds(rows) * interpolated(self.draft_ratio, rows)
+        return self.cost_table.draft_seconds if self.cost_table is not None else 0.0
+
+    def _tabled(self, tokens: int) -> float:
+        return self.cost_table.round_seconds(tokens) - self.cost_table.draft_seconds
+
+
+def extended(points: dict[int, float], x: int) -> float:
+    """Linear in x between measured points; beyond the last, its last segment's rise (never a fall) continues."""
+    keys = sorted(points)
+    if x <= keys[-1] or len(keys) == 1:
+        return interpolated(points, x)
+    rise = max(points[keys[-1]] - points[keys[-2]], 0.0) / (keys[-1] - keys[-2])
+    return points[keys[-1]] + rise * (x - keys[-1])
+
+
+def interpolated(points: dict[int, float], x: int) -> float:
+    """Linear in x between measured points, flat beyond them."""
+    keys = sorted(points)
+    if x <= keys[0]:
+        return points[keys[0]]
+    if x >= keys[-1]:
+        return points[keys[-1]]
+    upper = next(k for k in keys if k >= x)
+    lower = max(k for k in keys if k <= x)
+    if upper == lower:
+        return points[lower]
+    return points[lower] + (x - lower) / (upper - lower) * (points[upper] - points[lower])
