@@ -180,15 +180,24 @@ class RowSampling:
         self.sampled_rows = torch.tensor(sampled, dtype=torch.long, device=device)
         generators = generators or [None] * len(settings)
         self._own_generators = [generators[row] for row in sampled]
-        shared = [position for position, own in enumerate(self._own_generators) if own is None]
-        self._shared = torch.tensor(shared, dtype=torch.long, device=device) \
-            if 0 < len(shared) < len(sampled) else None
-        # When every sampled row has a top-k, plain decoding warps and draws over the k largest logits only (k the
-        # largest of the rows'): a top-k leaves every other token probability 0, so the distribution is the same,
-        # without sorting and drawing over the whole vocabulary for top-p and the sampler.
-        kept = [settings[row] for row in sampled]
-        self._top_k = max(s.top_k for s in kept) if kept and all(s.top_k for s in kept) else None
-        self._sampled_only = RowSampling(kept, device) if kept and not self.all_sampled else self
+        self._kept = [settings[row] for row in sampled]
+        self._device = device
+        self._plain_parts: tuple | None = None  # built by plain decoding's first call (`_for_plain`)
+
+    def _for_plain(self) -> tuple:
+        """(the sampled rows' own `RowSampling`, their top-k bound or None, the positions drawing from the shared
+        generator or None): what only plain decoding reads, built once, when it first runs."""
+        if self._plain_parts is None:
+            kept, own = self._kept, self._own_generators
+            shared = [position for position, generator in enumerate(own) if generator is None]
+            shared = torch.tensor(shared, dtype=torch.long, device=self._device) if 0 < len(shared) < len(own) else None
+            # When every sampled row has a top-k, plain decoding warps and draws over the k largest logits only (k
+            # the largest of the rows'): a top-k leaves every other token probability 0, so the distribution is the
+            # same, without sorting and drawing over the whole vocabulary for top-p and the sampler.
+            top_k = max(s.top_k for s in kept) if kept and all(s.top_k for s in kept) else None
+            sampled_only = RowSampling(kept, self._device) if kept and not self.all_sampled else self
+            self._plain_parts = (sampled_only, top_k, shared)
+        return self._plain_parts
 
     def process(self, logits: torch.Tensor, drafted: torch.LongTensor | None = None) -> torch.Tensor:
         """(R, ..., V) logits, each row through its own warpers (applied exactly once; they read no context)."""
@@ -226,10 +235,11 @@ class RowSampling:
         if not self.any_sampled:
             return tokens
         rows = self.sampled_rows
+        sampled_only, top_k, shared = self._for_plain()
         scores, candidates = logits.index_select(0, rows), None
-        if self._top_k is not None and self._top_k < scores.shape[-1]:
-            scores, candidates = scores.topk(self._top_k, dim=-1)
-        probs = self._sampled_only.process(scores).softmax(dim=-1)
+        if top_k is not None and top_k < scores.shape[-1]:
+            scores, candidates = scores.topk(top_k, dim=-1)
+        probs = sampled_only.process(scores).softmax(dim=-1)
         if all(own is None for own in self._own_generators):
             draws = sample(probs, generator)
         else:
@@ -237,8 +247,8 @@ class RowSampling:
             for position, own in enumerate(self._own_generators):
                 if own is not None:
                     draws[position : position + 1] = sample(probs[position : position + 1], own)
-            if self._shared is not None:
-                draws[self._shared] = sample(probs.index_select(0, self._shared), generator)
+            if shared is not None:
+                draws[shared] = sample(probs.index_select(0, shared), generator)
         if candidates is not None:
             draws = candidates.gather(1, draws[:, None]).squeeze(1)
         return tokens.index_copy_(0, rows, draws)
