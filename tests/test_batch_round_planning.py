@@ -58,12 +58,16 @@ def test_round_costs_are_a_plain_step_and_ratios_to_it():
     assert costs.forward_seconds(2, 4) == 0.2  # no wider forward timed: flat, and the planner keeps rounds narrow
     costs.record_forward(2, 4, 0.8)  # 4x the plain step at 3 extra tokens per row: each adds 100%
     assert costs.widening == {(2, 4): pytest.approx(4.0)} and costs.forward_seconds(4, 3) == pytest.approx(0.9)
-    assert costs.forward_seconds(4, 6) == pytest.approx(1.8)  # beyond the widest measured: the rise continues
+    # Beyond the only wide width measured its price holds: the step from one token to several is mostly fixed.
+    assert costs.forward_seconds(4, 6) == pytest.approx(1.2)
+    costs.record_forward(2, 5, 0.9)
+    costs.record_forward(2, 5, 0.9)  # a second wide width (4.5x): beyond it, the rise between the two continues
+    assert costs.forward_seconds(2, 7) == pytest.approx(0.2 * 5.5)
     costs.record_forward(4, 2, 0.48)
     costs.record_forward(4, 2, 0.48)  # at 4 rows the second token per row costs 60 %: the nearest row count's
-    assert costs.forward_seconds(4, 3) == pytest.approx(0.3 * 2.2) and costs.forward_seconds(5, 3) == 0.3 * 2.2
+    assert costs.forward_seconds(4, 3) == pytest.approx(0.3 * 1.6) and costs.forward_seconds(5, 3) == 0.3 * 1.6
     assert costs.forward_seconds(3, 4) == pytest.approx(0.25 * 4.0)  # as near to 2 rows as to 4: the fewer's
-    assert costs.forward_seconds(2, 3) == pytest.approx(0.2 * 3.0)  # at 2 rows its own widths: 1, then 4 at W = 4
+    assert costs.forward_seconds(2, 3) == pytest.approx(0.2 * 3.0)  # at 2 rows its own widths: 1, 4 at W = 4, ...
     costs.record_draft(4, 0.15)
     costs.record_draft(4, 0.15)
     assert costs.draft_seconds(4) == pytest.approx(0.15) and costs.draft_seconds(2) == pytest.approx(0.1)

@@ -21,8 +21,9 @@ class RoundCosts:
     may warm caches, provisional until its second; lowered by any wider forward that ran faster), else interpolated
     over the row counts measured (flat beyond them), else the cost table's (R tokens), else 1. `widening(R, W)` is learnt
     per shape from every wider forward: at the row count measured nearest to R, linear between the widths measured
-    there (1 at W = 1), the last rise continued beyond the widest (a forward's cost is not linear in its width: on a
-    CPU going from 1 to 2 tokens per row costs more than from 2 to 3); else the table's, else 1 (a flat machine).
+    there (1 at W = 1), beyond the widest the rise between the two widest continued (a forward's cost is not linear in
+    its width: on a CPU going from 1 to 2 tokens per row costs more than from 2 to 3, so with one wide width measured
+    the wider ones cost what it did); else the table's, else 1 (a flat machine).
     `knows_widths` tells the planner whether wide rounds are priced from a measure."""
 
     def __init__(self, cost_table: VerificationCostTable | None = None, learn: bool = True, smoothing: float = 0.3):
@@ -97,9 +98,12 @@ class RoundCosts:
 
 
 def extended(points: dict[int, float], x: int) -> float:
-    """Linear in x between measured points; beyond the last, its last segment's rise (never a fall) continues."""
+    """Linear in x between measured points; beyond the last, its last segment's rise (never a fall) continues when
+    two widths past the first were measured, else the last point holds. The step from one token per row to two is
+    mostly a fixed cost (another kernel path, the wider LM head pass), not a rate per token: continued, it would
+    price a long proposal at several plain steps, and a width priced out is never run, so never timed."""
     keys = sorted(points)
-    if x <= keys[-1] or len(keys) == 1:
+    if x <= keys[-1] or len(keys) <= 2:
         return interpolated(points, x)
     rise = max(points[keys[-1]] - points[keys[-2]], 0.0) / (keys[-1] - keys[-2])
     return points[keys[-1]] + rise * (x - keys[-1])
