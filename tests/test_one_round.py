@@ -15,7 +15,7 @@ from hf_dspark.generation.engine import speculative_engine as batched
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.generation.one_prompt import loop as decoding
 from hf_dspark.generation.one_prompt import proposers as candidates
-from hf_dspark.generation.round import drafting, stopping, suffix, verification
+from hf_dspark.generation.round import drafting, planning, stopping, suffix, verification
 from hf_dspark.generation.round.planning import RoundPlanning
 from hf_dspark.scheduling.round_planner import RoundPlanner, SuffixAcceptance
 from hf_dspark.scheduling.draft_length import DraftLengthRule
@@ -97,7 +97,6 @@ def test_both_loops_make_their_round_planning_from_the_calls_plan(monkeypatch):
         made.append(self)
         original(self, *args, **kwargs)
 
-    import hf_dspark.generation.round.planning as planning
     assert planning.SuffixProposer is suffix.SuffixProposer
     assert not hasattr(candidates, "RoundPlanner") and not hasattr(candidates, "SuffixProposer")
     monkeypatch.setattr(RoundPlanning, "__init__", recording)

@@ -106,11 +106,10 @@ class _StateCheck:
         if not ok:
             raise UserInputError(f"{self.source}: field {name} is {repr(value)[:80]}, not {expected}; {_STATE_FIX}.")
 
-    def value(self, value, name: str, low: float, above: bool = False, high: float | None = None) -> float:
-        """`value` as a float: a finite number >= low (> low when `above`), <= high when given."""
-        ok = is_finite_number(value) and (value > low if above else value >= low) and (high is None or value <= high)
-        self.require(ok, name, value, f"a finite number {'>' if above else '>='} {low}"
-                     + (f" and <= {high}" if high is not None else ""))
+    def value(self, value, name: str, low: float, high: float | None = None) -> float:
+        """`value` as a float: a finite number >= low, <= high when given."""
+        ok = is_finite_number(value) and value >= low and (high is None or value <= high)
+        self.require(ok, name, value, f"a finite number >= {low}" + (f" and <= {high}" if high is not None else ""))
         return float(value)
 
     def number(self, saved: dict, name: str, low: float, high: float | None = None, default: float | None = None):

@@ -56,7 +56,7 @@ class DraftCandidateGenerator:
         self.rule = plan.length_rule()
         self.planning = plan.round_planning(self.rule.max_slots(plan.draft_length), timed=self.clock.enabled)
         self.planning.finish_together = True  # a generate() call: a round is worth the tokens it saves this call
-        self.text = _OnePrompt([], generation_config.max_length)
+        self.text = _OnePrompt(generation_config.max_length)
         self._round = RoundPlan(False, [NO_DRAFT], [0])
         self._verification_started = 0.0
         self._draft_timed = True
@@ -80,7 +80,8 @@ class DraftCandidateGenerator:
             features = torch.cat(self._pending, dim=1)
             self._pending = []
             self.context_length = self.observed_length
-            # The first pass after the prompt reads every prompt row, once per call: not what a round costs.
+            # A pass that catches up on more rows than a round commits (every prompt row, on a call's first pass)
+            # costs what a round does not: not timed.
             self._draft_timed = features.shape[1] <= self.drafter.config.num_draft_slots + 1
             drafts = self._draft(input_ids, features, length)
         else:
@@ -101,9 +102,7 @@ class DraftCandidateGenerator:
         suffix proposer reads (scoring its proposals so far against the text that followed them)."""
         self.text.tokens.extend(new_tokens)
         if prompt:
-            self.text.max_new_tokens -= len(new_tokens)
-        else:
-            self.text.emitted += len(new_tokens)
+            self.text.prompt_length = len(new_tokens)
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -199,7 +198,17 @@ def candidate_generator_for(
 
 
 class _OnePrompt:
-    """The prompt's text as the round planner reads a request: its tokens so far, the tokens it may still emit."""
+    """The text as the round planner reads a request: its tokens so far (prompt first), the tokens it may emit
+    (`max_new_tokens`) and has emitted, both derived from the call's `max_length`."""
 
-    def __init__(self, tokens: list[int], max_length: int):
-        self.tokens, self.max_new_tokens, self.emitted = tokens, max_length, 0
+    def __init__(self, max_length: int):
+        self.tokens: list[int] = []
+        self.max_length, self.prompt_length = max_length, 0
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_length - self.prompt_length
+
+    @property
+    def emitted(self) -> int:
+        return len(self.tokens) - self.prompt_length

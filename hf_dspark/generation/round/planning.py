@@ -112,7 +112,7 @@ class RoundPlanning:
     def record(self, plan: RoundPlan, request_ids: list[int], lengths: list[int], accepted: list[int],
                width: int, verification_started: float, draft_timed: bool = True) -> None:
         """The round's outcome (host values): each drafter row's acceptance, the passes' costs (the drafter's only
-        when `draft_timed`: a pass that also read a whole prompt's context costs what later rounds do not)."""
+        when `draft_timed`: a pass that also caught up on a whole prompt costs what later rounds do not)."""
         finished = time.perf_counter()
         rows = len(request_ids)
         if plan.use_drafter and draft_timed:
