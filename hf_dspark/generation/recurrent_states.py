@@ -121,12 +121,13 @@ def select_state_rows(layer, rows: torch.LongTensor) -> None:
             states[index] = state.index_select(0, rows)
 
 
-def stack_state_rows(layer, other) -> None:
-    """Append `other`'s rows (a recurrent layer of the same kind, both holding only their newest states) to `layer`."""
+def stack_state_rows(layer, others: list) -> None:
+    """Append the rows of `others` (recurrent layers of the same kind, all holding only their newest states) to
+    `layer`, in order."""
     for kind in ("conv", "recurrent"):
-        states, theirs = getattr(layer, f"{kind}_states"), dict(_states(other, kind))
+        states, theirs = getattr(layer, f"{kind}_states"), [dict(_states(other, kind)) for other in others]
         for index, state in _states(layer, kind):
-            states[index] = torch.cat([state, theirs[index]], dim=0)
+            states[index] = torch.cat([state, *(their[index] for their in theirs)], dim=0)
 
 
 def snapshot_state_fields(layer) -> dict:

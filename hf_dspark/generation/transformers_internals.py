@@ -236,13 +236,13 @@ def crop_entries(cache, count: int) -> None:
             layer.crop(-count)
 
 
-def merge_layer_rows(layer, other) -> None:
-    """Append the rows of `other` (the same layer of another block of rows) to the engine's `layer`, each block's
-    entries padded with holes to the wider one."""
+def merge_layer_rows(layer, others: list) -> None:
+    """Append the rows of `others` (the same layer of other blocks of rows) to the engine's `layer`, each block's
+    entries padded with holes to the widest one."""
     if is_recurrent_layer(layer):
-        stack_state_rows(layer, other)
+        stack_state_rows(layer, others)
     elif not is_stateless_layer(layer):
-        stack_layer_rows(layer, [layer_tensors(layer), layer_tensors(other)])
+        stack_layer_rows(layer, [layer_tensors(layer), *(layer_tensors(other) for other in others)])
 
 
 def row_entries(cache, row: int, columns: torch.LongTensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

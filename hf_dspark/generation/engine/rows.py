@@ -37,10 +37,10 @@ def pad_to(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
 
 
-def _cat_rows(first: torch.Tensor, second: torch.Tensor, dim: int) -> torch.Tensor:
-    """Stack two row blocks along dim 0, padding the narrower one with holes along `dim`."""
-    width = max(first.shape[dim], second.shape[dim])
-    return torch.cat([pad_to(first, width, dim), pad_to(second, width, dim)], dim=0)
+def _cat_rows(blocks: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Stack row blocks along dim 0, padding the narrower ones with holes along `dim`."""
+    width = max(block.shape[dim] for block in blocks)
+    return torch.cat([pad_to(block, width, dim) for block in blocks], dim=0)
 
 
 def _columns(used: list[bool], device) -> torch.LongTensor | None:
@@ -52,15 +52,14 @@ def _layer(tensors: list, index: int):
     return tensors[index] if index < len(tensors) else None
 
 
-def _merge_draft_layer(blocks: list, counts: tuple[int, int]) -> torch.Tensor | None:
-    """One drafter-cache layer of two row blocks. A block that has not drafted yet (just prefilled) has no context
-    rows there: it joins with zero columns, so every column is a hole for it."""
+def _merge_draft_layer(blocks: list, counts: list[int]) -> torch.Tensor | None:
+    """One drafter-cache layer of several row blocks. A block that has not drafted yet (just prefilled) has no
+    context rows there: it joins with zero columns, so every column is a hole for it."""
     reference = next((b for b in blocks if b is not None), None)
     if reference is None:
         return None
-    empty = [reference.new_zeros(count, reference.shape[1], 0, reference.shape[3]) for count in counts]
-    first, second = (b if b is not None else e for b, e in zip(blocks, empty))
-    return _cat_rows(first, second, dim=2)
+    return _cat_rows([b if b is not None else reference.new_zeros(count, reference.shape[1], 0, reference.shape[3])
+                      for b, count in zip(blocks, counts)], dim=2)
 
 
 @dataclass
@@ -137,20 +136,23 @@ class BatchRows:
             self.pending_tokens = self.pending_tokens[:, columns]
         return target_columns
 
-    def merge(self, other: "BatchRows") -> None:
-        """Append `other`'s rows. Each column family (target cache, drafter cache, queued context) is padded with
-        holes at the end to the wider of the two blocks; a row's entries keep their order, which is all the causal
-        masks and the explicit positions need."""
-        counts = (len(self), len(other))
-        self.request_ids = self.request_ids + other.request_ids
+    def merge(self, *others: "BatchRows") -> None:
+        """Append the rows of `others`, in order. Each column family (target cache, drafter cache, queued context)
+        is padded with holes at the end to the widest block; a row's entries keep their order, which is all the
+        causal masks and the explicit positions need. Each cache layer is copied once, however many blocks join."""
+        if not others:
+            return
+        blocks = (self, *others)
+        counts = [len(block) for block in blocks]
+        self.request_ids = [r for block in blocks for r in block.request_ids]
         for name in ("request", "anchor", "target_length"):
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+            setattr(self, name, torch.cat([getattr(block, name) for block in blocks]))
         for name in ("target_valid", "draft_valid", "pending_valid", "pending_positions", "pending_tokens",
                      "pending"):
-            setattr(self, name, _cat_rows(getattr(self, name), getattr(other, name), dim=1))
-        for mine, theirs in zip(self.target_cache.layers, other.target_cache.layers):
-            merge_layer_rows(mine, theirs)
-        caches = (self.draft_cache, other.draft_cache)
+            setattr(self, name, _cat_rows([getattr(block, name) for block in blocks], dim=1))
+        for index, mine in enumerate(self.target_cache.layers):
+            merge_layer_rows(mine, [other.target_cache.layers[index] for other in others])
+        caches = [block.draft_cache for block in blocks]
         layers = max(len(cache.keys) for cache in caches)
         self.draft_cache.keys = [_merge_draft_layer([_layer(c.keys, i) for c in caches], counts) for i in range(layers)]
         self.draft_cache.values = [_merge_draft_layer([_layer(c.values, i) for c in caches], counts)

@@ -44,7 +44,7 @@ from .checks import (check_drafter, check_left_padded, check_parking, check_resu
                             engine_plan)
 from .requests import (BatchedOutput, EngineGate, EngineSnapshot, ParkedCache, Request, emit, eos_ids,
                               park_finished)
-from .passes import (commit_round, left_padded, plain_step, prefill, prefill_resumed, project_context, read_lengths,
+from .passes import (commit_round, plain_step, prefill_grouped, prefill_resumed, project_context, read_lengths,
                      verify_round, with_suffix_drafts)
 from ..round.sampling import RowSampling, SamplingParams
 from ..round.stats import SpeculativeStats
@@ -310,9 +310,9 @@ class SpeculativeEngine:
             finished += self._join(resumed, *prefill_resumed(self.target, parked, new_tokens, resumed, self.device))
         fresh = [r for r in starting if r not in resumed]
         if fresh:
-            input_ids, mask = left_padded([self._requests[r].tokens for r in fresh], self.device)
-            rows, logits = prefill(self.target, input_ids, mask, fresh, self.layer_indices, self.feature_device)
-            finished += self._join(fresh, rows, logits)
+            rows, logits = prefill_grouped(self.target, [self._requests[r].tokens for r in fresh], fresh,
+                                           self.layer_indices, self.feature_device, self.device)
+            finished += self._join(rows.request_ids, rows, logits)
         return finished
 
     def _join(self, request_ids: list[int], rows: BatchRows, logits: torch.Tensor) -> list[int]:
