@@ -20,9 +20,10 @@ at most. A plain round reads once (the tokens), and once more when requests fini
 
 A finished request (EOS or its `max_new_tokens`) is removed from every tensor and cache, so rounds only pay for the
 requests still running. Holes also make **continuous batching** cheap (`SpeculativeEngine`): a request that
-arrives while others run is prefilled alone (with the other newcomers), its prompt context projected into its own
-drafter cache, and its rows are appended to the running batch, each cache padded with holes to the wider of the
-two; cache columns that no remaining row uses are dropped then. Every request has its own sampling settings, EOS
+arrives while others run is prefilled apart from them (with the other newcomers, one left-padded forward per group
+of similar prompt lengths, so a short prompt does not compute a long one's padding: `passes.prefill_grouped`), its
+prompt context projected into its own drafter cache, and its rows are appended to the running batch, each cache
+padded with holes to the wider of the two; cache columns that no remaining row uses are dropped then. Every request has its own sampling settings, EOS
 and length limit; rows with equal settings share one warper pass. The verification rule is `greedy_verify` /
 `rejection_sample`, the same as at batch size 1. In plain decoding a finished request's cache can be parked and a
 later request (the conversation's next turn) continued on it, prefilling only its new tokens.
@@ -87,8 +88,8 @@ class SpeculativeEngine:
     outputs = engine.run_until_done()               # {request_id: prompt + new tokens}
     ```
 
-    A submitted request waits until the next `step()`, which first prefills every waiting prompt together (one
-    left-padded target forward) and appends their rows to the running batch, then runs one round for all rows.
+    A submitted request waits until the next `step()`, which first prefills every waiting prompt (one left-padded
+    target forward per group of similar lengths) and appends their rows to the running batch, then runs one round for all rows.
     Each request's output is distributed exactly as the target's own decoding of its prompt alone with its own
     settings (greedy: the same tokens), whatever else shares the batch and whenever it joined.
 
