@@ -7,6 +7,8 @@ Nothing here decides what a round does; `speculative_engine.SpeculativeEngine` d
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...models.identity import EAGLE3_DRAFTER_TYPE, drafter_type
@@ -84,8 +86,8 @@ def prefill(target, input_ids, prompt_mask, request_ids, layer_indices,
 # A forward's fixed cost in prompt tokens (launches, per-layer host work): what splitting a prefill into one more
 # forward must save in padding. Measured on a 2-core CPU with SmolLM2-135M: a forward costs about 40 tokens' worth
 # beyond its tokens; an accelerator runs a few hundred tokens in the time it takes to launch one forward's kernels.
-FORWARD_OVERHEAD_TOKENS = {"cpu": 64}
-ACCELERATOR_OVERHEAD_TOKENS = 1024
+CPU_FORWARD_OVERHEAD_TOKENS = 64
+ACCELERATOR_FORWARD_OVERHEAD_TOKENS = 1024
 
 
 def prefill_groups(lengths: list[int], overhead_tokens: int) -> list[list[int]]:
@@ -94,12 +96,12 @@ def prefill_groups(lengths: list[int], overhead_tokens: int) -> list[list[int]]:
     (a padded batch of chat prompts is a third real tokens): one padded forward computes the rest for nothing.
     The best split takes runs of the length-sorted order (dynamic programming over where each run starts)."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    best, start_of = [0] + [None] * len(order), [0] * (len(order) + 1)
+    best, start_of = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
     for end in range(1, len(order) + 1):
         width = lengths[order[end - 1]]  # the longest prompt of any run that ends here
         for start in range(end):
             cost = best[start] + (end - start) * width + overhead_tokens
-            if best[end] is None or cost < best[end]:
+            if cost < best[end]:
                 best[end], start_of[end] = cost, start
     groups, end = [], len(order)
     while end:
@@ -114,8 +116,8 @@ def prefill_grouped(target, prompts: list[list[int]], request_ids: list[int], la
     (`prefill_groups`), the groups' rows merged into one block (each cache padded with holes to the widest group,
     which later rounds mask like any hole). Returns the rows, in the groups' order (`rows.request_ids`), and their
     logits."""
-    device_type = torch.device(device).type
-    overhead = FORWARD_OVERHEAD_TOKENS.get(device_type, ACCELERATOR_OVERHEAD_TOKENS)
+    cpu = torch.device(device).type == "cpu"
+    overhead = CPU_FORWARD_OVERHEAD_TOKENS if cpu else ACCELERATOR_FORWARD_OVERHEAD_TOKENS
     blocks, logits = [], []
     for group in prefill_groups([len(prompt) for prompt in prompts], overhead):
         input_ids, mask = left_padded([prompts[i] for i in group], device)

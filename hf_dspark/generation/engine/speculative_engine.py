@@ -23,10 +23,11 @@ requests still running. Holes also make **continuous batching** cheap (`Speculat
 arrives while others run is prefilled apart from them (with the other newcomers, one left-padded forward per group
 of similar prompt lengths, so a short prompt does not compute a long one's padding: `passes.prefill_grouped`), its
 prompt context projected into its own drafter cache, and its rows are appended to the running batch, each cache
-padded with holes to the wider of the two; cache columns that no remaining row uses are dropped then. Every request has its own sampling settings, EOS
-and length limit; rows with equal settings share one warper pass. The verification rule is `greedy_verify` /
-`rejection_sample`, the same as at batch size 1. In plain decoding a finished request's cache can be parked and a
-later request (the conversation's next turn) continued on it, prefilling only its new tokens.
+padded with holes to the wider of the two; cache columns that no remaining row uses are dropped then. Every request
+has its own sampling settings, EOS and length limit; rows with equal settings share one warper pass. The
+verification rule is `greedy_verify` / `rejection_sample`, the same as at batch size 1. In plain decoding a finished
+request's cache can be parked and a later request (the conversation's next turn) continued on it, prefilling only
+its new tokens.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class SpeculativeEngine:
     ```
 
     A submitted request waits until the next `step()`, which first prefills every waiting prompt (one left-padded
-    target forward per group of similar lengths) and appends their rows to the running batch, then runs one round for all rows.
+    target forward per group of similar lengths) and appends their rows to the running batch, then runs one round
+    for all rows.
     Each request's output is distributed exactly as the target's own decoding of its prompt alone with its own
     settings (greedy: the same tokens), whatever else shares the batch and whenever it joined.
 
