@@ -1,6 +1,7 @@
 """Round planning at every batch size: the engine's planner (drafter block, suffix match or plain step per row, the
 batch's verification width from measured costs) and its losslessness at R > 1."""
 
+import random
 from collections import Counter
 
 import pytest
@@ -14,7 +15,7 @@ from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.generation.round.planning import RoundPlanning
 from hf_dspark.scheduling.round_costs import RoundCosts
 from hf_dspark.scheduling.round_planner import (DRAFTER, NO_DRAFT, SUFFIX, RoundPlanner, RowOptions, SlotAcceptance,
-                                                expected_tokens, shortening)
+                                                expected_tokens, finishing_value, shortening, steady_shortening)
 from hf_dspark.scheduling.cost_table import VerificationCostTable
 from lossless_checks import assert_three_tokens_match
 from test_batched import assert_rows_equal, left_pad, plain_greedy, use_oracle
@@ -134,6 +135,66 @@ def test_a_round_of_a_generate_batch_is_worth_the_steps_it_takes_off_the_longest
     sure = expected_tokens([1.0] * 3, 3)  # [1, 2, 3, 4]
     assert shortening([10, 8], [sure, sure]) == pytest.approx(4.0)
     assert shortening([10, 8], [sure, [1.0]]) == pytest.approx(3.0)  # then the second row is the longest
+
+
+def rounds_until_done(left: list[int], rates: list[float], width: int, trials: int, seed: int) -> float:
+    """Monte Carlo: the mean rounds a batch needs when every round verifies up to width - 1 proposed tokens per row,
+    row r's each accepted with chance rates[r] given the ones before it were (and never past the row's end)."""
+    draw, total = random.Random(seed), 0
+    for _ in range(trials):
+        remaining, rounds = list(left), 0
+        while max(remaining) > 0:
+            rounds += 1
+            for row, rate in enumerate(rates):
+                if remaining[row] > 0:
+                    proposed, emitted = min(width - 1, remaining[row] - 1), 1
+                    while emitted <= proposed and draw.random() < rate:
+                        emitted += 1
+                    remaining[row] -= emitted
+        total += rounds
+    return total / trials
+
+
+@pytest.mark.parametrize("rows,rate,width", [(2, 0.3, 2), (4, 0.5, 2), (4, 0.5, 4), (8, 0.3, 3), (16, 0.6, 2)])
+def test_steady_shortening_is_what_rounds_like_this_one_take_off_until_the_batch_is_done(rows, rate, width):
+    left = [48] * rows
+    expected = [expected_tokens([rate] * (width - 1), width - 1)] * rows
+    simulated = max(left) / rounds_until_done(left, [rate] * rows, width, trials=400, seed=rows)
+    assert steady_shortening(left, expected) == pytest.approx(simulated, rel=0.03)
+    # One round then plain steps, with the rows tied: only a round where every row gains shortens the batch.
+    assert shortening(left, expected) < 0.9 * simulated
+
+
+def test_steady_shortening_errs_low_for_unlike_rows_and_one_row_that_cannot_gain_holds_the_batch():
+    rates, left = [0.1, 0.3, 0.6, 0.6], [40, 38, 40, 35]
+    expected = [expected_tokens([rate] * 3, 3) for rate in rates]
+    simulated = max(left) / rounds_until_done(left, rates, 4, trials=400, seed=3)
+    assert 1.0 < steady_shortening(left, expected) <= simulated * 1.01
+    stuck = [expected_tokens([0.0] * 3, 3)] + expected[1:]
+    assert steady_shortening([40] * 4, stuck) == pytest.approx(1.0)
+    assert finishing_value([40] * 4, stuck) == pytest.approx(1.0)
+
+
+def test_finishing_value_is_the_better_future_and_a_single_row_is_worth_its_expected_tokens():
+    likely = expected_tokens([0.8] * 3, 3)
+    assert finishing_value([30], [likely]) == pytest.approx(likely[-1])  # batch 1: its tokens, as before
+    tied, ahead = [20, 20, 20], [20, 12, 12]
+    some = [expected_tokens([0.5] * 2, 2)] * 3
+    assert finishing_value(tied, some) == pytest.approx(steady_shortening(tied, some))
+    assert steady_shortening(tied, some) > shortening(tied, some)
+    # Rows far ahead: this round is the longest row's alone, and one round of it is worth more than the spread's
+    # estimate of rounds like it until every row is done.
+    assert finishing_value(ahead, some) == pytest.approx(shortening(ahead, some))
+    assert shortening(ahead, some) > steady_shortening(ahead, some)
+
+
+@pytest.mark.synthetic_timings
+def test_a_generate_batch_drafts_when_rows_gain_in_turn_though_one_round_rarely_moves_them_all():
+    costs = RoundCosts(learn=False)  # a flat machine: a wide forward costs a plain step, drafting is free
+    modest = [RowOptions(2, [1.0], expected_tokens([0.3] * 2, 2), left=40)] * 8
+    assert shortening([40] * 8, [row.drafter_expected for row in modest]) < RoundPlanner(costs).margin
+    plan = RoundPlanner(costs).plan(modest)
+    assert plan.use_drafter and plan.sources == [DRAFTER] * 8
 
 
 def test_a_generate_batch_drafts_only_when_every_row_would_advance():

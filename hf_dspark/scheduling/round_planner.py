@@ -10,9 +10,11 @@ row takes the best of its own proposals within W: the drafter's block, a suffix 
 
 F is the target forward's seconds at that shape and D the drafter pass's. In a server the value is the round's
 expected tokens, sum over rows of E_r (1 + S_1 + ... + S_k for k proposed tokens surviving with S_j). A
-`generate()` batch returns only when its last row is done, so there a round is worth how many steps it is expected to
-take off the longest row's remaining work (`shortening`): tokens that some rows gain and others do not shorten
-nothing, which on a machine where wide forwards cost (a CPU) is most rounds at R >= 4. A plain step is W = 1 without
+`generate()` batch returns only when its last row is done, so there a round is worth the plain steps it takes off the
+batch's remaining work (`finishing_value`), the better of two estimates: this round alone followed by plain steps
+(`shortening`: only the longest rows' gains count, so with rows tied it is worth little), and rounds like it until
+the batch is done (`steady_shortening`: rows that gain now are ahead later, so the laggards set the pace and each
+row's rate counts, less a spread for the slowest of R random finishes). A plain step is W = 1 without
 the drafter: R tokens, or one step, for F(R, 1). A proposal must beat the plain step by `margin` (estimates err; the
 plain step is measured). When the best option is the plain step, no row drafts and the drafter does not run.
 
@@ -36,7 +38,10 @@ this round's drafts; the verifier's rule keeps every row's output exactly the ta
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from functools import lru_cache
+from statistics import NormalDist
 
 from .round_costs import RoundCosts
 
@@ -184,7 +189,7 @@ class RoundPlanner:
             lengths.append(length)
             chosen.append(expected)
         if _finishing_together(options):
-            value = shortening([row.left for row in options], chosen)
+            value = finishing_value([row.left for row in options], chosen)
         else:
             value = sum(expected[-1] for expected in chosen)
         used_width = max(lengths) + 1
@@ -199,8 +204,43 @@ def _finishing_together(options: list[RowOptions]) -> bool:
     return all(row.left is not None for row in options)
 
 
+def finishing_value(left: list[int], expected: list[list[float]]) -> float:
+    """What a round of a batch that returns once its last row is done is worth, in plain steps taken off its
+    remaining work: the better of spending this one round on proposals (`shortening`) and spending every round like
+    it (`steady_shortening`); the planner may choose either future, so the round is worth at least both."""
+    return max(shortening(left, expected), steady_shortening(left, expected))
+
+
+def steady_shortening(left: list[int], expected: list[list[float]]) -> float:
+    """Plain steps per round if every remaining round were like this one: max(left) plain steps against the
+    rounds the slowest row needs. Row r emits X_r tokens a round (mean m, variance v, from `expected`), so it needs
+    about N_r = left_r / m rounds with variance left_r v / m^3 (a renewal count); the batch needs max_r N_r, whose
+    mean for R rows is taken as max_r(mean_r + z_R sd_r), z_R the expected largest of R standard normals (exact for
+    identical rows, above it otherwise, so the estimate errs low). One row that cannot gain keeps it at 1."""
+    spread = _largest_of_normals(len(left))
+    rounds = 1.0
+    for row_left, row_expected in zip(left, expected):
+        mean, variance = emission_moments(row_expected)
+        rounds = max(rounds, row_left / mean + spread * math.sqrt(row_left * variance / mean**3))
+    return max(left) / rounds
+
+
+def emission_moments(expected: list[float]) -> tuple[float, float]:
+    """Mean and variance of the tokens a round emits for a row whose first k proposed tokens emit `expected[k]`
+    (P(X >= j + 1) = expected[j] - expected[j - 1], X >= 1)."""
+    mean = expected[-1]
+    second = 1.0 + sum((2 * j + 1) * (expected[j] - expected[j - 1]) for j in range(1, len(expected)))
+    return mean, max(second - mean * mean, 0.0)
+
+
+@lru_cache(maxsize=None)
+def _largest_of_normals(count: int) -> float:
+    """The expected largest of `count` independent standard normals (Blom's approximation; 0 for one)."""
+    return NormalDist().inv_cdf((count - 0.375) / (count + 0.25)) if count > 1 else 0.0
+
+
 def shortening(left: list[int], expected: list[list[float]]) -> float:
-    """How many steps a round is expected to take off a batch that returns once its last row is done: the drop of
+    """How many steps one round is expected to take off a batch that returns once its last row is done: the drop of
     max over rows of (tokens left - tokens emitted), rows independent, each row's `expected[k]` the expected tokens of
     its first k proposed tokens (so P(emits >= j + 1) = expected[j] - expected[j - 1]). A plain step is worth 1; a
     row ahead of the longest shortens nothing until the round could make it the longest.

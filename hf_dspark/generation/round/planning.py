@@ -68,8 +68,8 @@ class RoundPlanning:
         self.pool = SlotAcceptance(slots)
         self.requests: dict[int, RequestProposals] = {}
         self._started = 0.0
-        # A batch that returns when its last row is done (generate()): a round is worth how much it shortens the
-        # longest row's work (`round_planner.shortening`), so tokens of rows that do not all advance are not paid for.
+        # A batch that returns when its last row is done (generate()): a round is worth the steps it takes off the
+        # batch's remaining work (`round_planner.finishing_value`), which the slowest rows set, not the tokens' sum.
         self.finish_together = False
 
     def forget(self, request_id: int) -> None:
