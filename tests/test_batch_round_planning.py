@@ -103,6 +103,25 @@ def test_the_first_round_is_plain_and_the_next_stay_narrow_until_a_wide_one_is_t
     assert planner.plan(sure).width == 7
 
 
+@pytest.mark.synthetic_timings
+def test_a_row_count_timed_once_takes_a_plain_step_before_a_cold_price_makes_wide_rounds_look_cheap():
+    costs = RoundCosts()
+    likely = [RowOptions(3, [1.0], expected_tokens([0.5] * 3, 3))] * 12
+    planner = RoundPlanner(costs)
+    assert planner.plan(likely).width == 1  # nothing timed: a plain step
+    costs.record_forward(12, 1, 0.19)  # a cold first step, nearly twice what later ones cost
+    costs.record_forward(12, 3, 0.20)  # beside it a round of 3 tokens per row would look free: not learnt
+    assert costs.plain_provisional(12) and not costs.knows_widths()
+    assert planner.plan(likely).width == 1
+    costs.record_forward(12, 1, 0.10)
+    assert not costs.plain_provisional(12) and costs.plain_seconds(12) == pytest.approx(0.10)
+    for _ in range(2):
+        costs.record_forward(12, 3, 0.20)
+    assert costs.forward_seconds(12, 3) == pytest.approx(0.20)
+    assert planner.plan(likely).width == 1  # 3 tokens a row cost 2x a plain step: 1.75 expected tokens do not pay
+    assert not RoundCosts(learn=False).plain_provisional(12)
+
+
 def test_slot_acceptance_and_expected_tokens():
     acceptance = SlotAcceptance(3, decay=1.0)
     acceptance.record(verified=3, accepted=1)  # slot 1 accepted, slot 2 rejected, slot 3 never reached

@@ -38,7 +38,7 @@ class RoundCosts:
             return
         if width == 1:
             self.plain[rows] = self._learnt(("forward", rows, 1), self.plain.get(rows), seconds)
-        elif self.knows_plain():
+        elif self.knows_plain() and not self.plain_provisional(rows):  # a ratio to a cold price measures nothing
             if rows in self.plain and seconds < self.plain[rows]:
                 # A wider forward never costs less than a plain step: the plain estimate is stale (load fell).
                 self.plain[rows] = seconds
@@ -65,6 +65,13 @@ class RoundCosts:
     def knows_plain(self) -> bool:
         """Whether a plain step has a price: measured, tabled, or fixed (not learning: flat without a table)."""
         return bool(self.plain) or self.cost_table is not None or not self.learn
+
+    def plain_provisional(self, rows: int) -> bool:
+        """Whether the plain step at this row count rests on one timed run alone. That run may be a cold one (kernels
+        picked, caches filled: 1.8x a later step has been seen at R = 12), and a plain step priced high prices every
+        wider round low beside it, so wide rounds would win and the plain step would never run again to correct it.
+        The planner takes a plain step then, which costs nothing against plain decoding."""
+        return self.learn and self._runs.get(("forward", rows, 1), 0) == 1
 
     def knows_widths(self) -> bool:
         return bool(self.widening) or self.cost_table is not None or not self.learn

@@ -20,8 +20,9 @@ plain step is measured). When the best option is the plain step, no row drafts a
 
 Costs are learnt by the loop (`RoundCosts`), timed between the host reads a round makes anyway: a plain step's
 seconds per row count, and, relative to it, what each width of forward and the drafter's pass cost. The
-first round is a plain step; until a wider forward has been timed, rounds verify at most `probe_width` tokens per
-row. A cost table, when given, prices what was not measured yet. With a table and nothing learnt (or
+first round is a plain step, and so is the second at a row count (its first timing may be a cold one, and priced
+high it would make every wider round look cheap); until a wider forward has been timed, rounds verify at most
+`probe_width` tokens per row. A cost table, when given, prices what was not measured yet. With a table and nothing learnt (or
 `learn=False` without a table: every forward costs the same and drafting is free, a GPU-like machine) the prices
 stay the table's.
 
@@ -131,7 +132,8 @@ class RoundPlanner:
         """The best round for these rows; `drafter_possible` False (e.g. a scheduler's plain round) leaves the
         drafter out this round."""
         rows = len(options)
-        if not self.costs.knows_plain():  # the first round: a plain step, the price every other one is relative to
+        if not self.costs.knows_plain() or self.costs.plain_provisional(rows):
+            # A plain step: the price every other round is relative to, until it was timed at this row count twice.
             return RoundPlan(False, [NO_DRAFT] * rows, [0] * rows)
         # Until a wider forward was timed, rounds stay as narrow as a probe: the first wide one measures widening.
         widest = min(max(row.budget for row in options) + 1,
