@@ -122,6 +122,27 @@ def test_a_row_count_timed_once_takes_a_plain_step_before_a_cold_price_makes_wid
     assert not RoundCosts(learn=False).plain_provisional(12)
 
 
+def test_a_width_not_measured_at_its_row_count_costs_at_least_plain_steps_of_as_many_tokens():
+    costs = RoundCosts()
+    for _ in range(2):
+        for rows, seconds in ((1, 0.06), (2, 0.10), (4, 0.11), (8, 0.14)):
+            costs.record_forward(rows, 1, seconds)
+        costs.record_forward(4, 2, 0.121)  # nearly free to widen at 4 rows (a CPU reading its weights)
+    assert costs.forward_seconds(4, 2) == pytest.approx(0.121)  # measured there: as measured
+    # 8 x 8 tokens: borrowed from 4 rows it would be 0.154 s; plain steps of 2..8 rows rise 0.0068 s a row
+    # (least squares; one row, another kernel path, left out), continued to 64 rows.
+    rise = ((2 - 14 / 3) * (0.10 - 0.35 / 3) + (4 - 14 / 3) * (0.11 - 0.35 / 3) + (8 - 14 / 3) * (0.14 - 0.35 / 3)) / (
+        (2 - 14 / 3) ** 2 + (4 - 14 / 3) ** 2 + (8 - 14 / 3) ** 2)
+    assert costs.tokens_seconds(64) == pytest.approx(0.14 + rise * 56)
+    assert costs.forward_seconds(8, 8) == pytest.approx(0.14 + rise * 56)
+    assert costs.forward_seconds(8, 8) > 0.154
+    assert costs.forward_seconds(2, 3) == pytest.approx(max(0.10 * 1.1, costs.tokens_seconds(6)))
+    few = RoundCosts()
+    for _ in range(2):
+        few.record_forward(1, 1, 0.06), few.record_forward(4, 1, 0.11), few.record_forward(4, 2, 0.121)
+    assert few.tokens_seconds(64) == 0.0 and few.forward_seconds(8, 8) == pytest.approx(0.121)  # no curve: borrowed
+
+
 def test_slot_acceptance_and_expected_tokens():
     acceptance = SlotAcceptance(3, decay=1.0)
     acceptance.record(verified=3, accepted=1)  # slot 1 accepted, slot 2 rejected, slot 3 never reached

@@ -23,7 +23,8 @@ class RoundCosts:
     per shape from every wider forward: at the row count measured nearest to R, linear between the widths measured
     there (1 at W = 1), beyond the widest the rise between the two widest continued (a forward's cost is not linear in
     its width: on a CPU going from 1 to 2 tokens per row costs more than from 2 to 3, so with one wide width measured
-    the wider ones cost what it did); else the table's, else 1 (a flat machine).
+    the wider ones cost what it did); else the table's, else 1 (a flat machine). A width not measured at R itself
+    costs at least a plain step of R x W rows (`tokens_seconds`, from the plain steps measured at other row counts).
     `knows_widths` tells the planner whether wide rounds are priced from a measure."""
 
     def __init__(self, cost_table: VerificationCostTable | None = None, learn: bool = True, smoothing: float = 0.3):
@@ -90,10 +91,30 @@ class RoundCosts:
         if self.widening:
             nearest = min({r for r, _ in self.widening}, key=lambda r: (abs(r - rows), r))
             measured = {w: ratio for (r, w), ratio in self.widening.items() if r == nearest}
-            return plain * extended({1: 1.0, **measured}, width)
+            estimate = plain * extended({1: 1.0, **measured}, width)
+            if nearest == rows and width <= max(measured):
+                return estimate  # measured at this shape's row count, within its widths
+            # Borrowed from another row count or extended past the widest width: on a CPU a forward nearly free to
+            # widen at 4 rows costs 3x a plain step at 10 rows x 8 tokens, so it costs at least what plain steps of
+            # as many tokens cost (an upper estimate: those rows read their own contexts).
+            return max(estimate, self.tokens_seconds(rows * width))
         if self.cost_table is not None:
             return plain * self._tabled(rows * width) / self._tabled(rows)
         return plain
+
+    def tokens_seconds(self, tokens: int) -> float:
+        """What a plain step of `tokens` rows costs, from the plain steps measured at three or more row counts of
+        two or more rows (one row is another kernel path, far cheaper per row): between them interpolated, beyond the
+        largest their least-squares rise per row continued (never a fall); 0 without such a curve."""
+        points = {r: t for r, t in self.plain.items() if r >= 2}
+        if not self.learn or len(points) < 3:
+            return 0.0
+        keys = sorted(points)
+        if tokens <= keys[-1]:
+            return interpolated(points, tokens)
+        mean_rows, mean_seconds = sum(keys) / len(keys), sum(points.values()) / len(keys)
+        rise = sum((r - mean_rows) * (points[r] - mean_seconds) for r in keys) / sum((r - mean_rows) ** 2 for r in keys)
+        return points[keys[-1]] + max(rise, 0.0) * (tokens - keys[-1])
 
     def draft_seconds(self, rows: int) -> float:
         if self.draft_ratio:
