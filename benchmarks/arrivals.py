@@ -311,8 +311,9 @@ def report() -> None:
               f"drafter {s['drafter']} ({s['drafter_class']}); {s['requests']} requests ({s['prompt_set']}"
               + (f": {s['categories']}" if s["prompt_set"] == "mix" else "")
               + f", seed {s['seed']}); the same Exp(1) gaps at every rate, scaled by 1/rate; methods in rotated "
-                f"order per rate, {s.get('repeats', 1)} run(s) each interleaved, the best aggregate shown. Per-user = a request's new tokens / (finish - arrival); aggregate = all new "
-                "tokens / (last finish - first arrival). Plot: "
+                f"order per rate, {s.get('repeats', 1)} run(s) each interleaved, the best aggregate shown. "
+                "Per-user = a request's new tokens / (finish - arrival); aggregate = all new tokens / (last finish "
+                "- first arrival). Plot: "
               f"`{output.with_suffix('.png').name}`.", "", "What each engine resolved:", ""]
     lines += [f"* `{m}`: {e}" for m, e in results["engines"].items()]
     planned = [m for m, e in results["engines"].items() if m in ("verify-1", "verify-all")

@@ -24,7 +24,7 @@ class RoundCosts:
     there (1 at W = 1), beyond the widest the rise between the two widest continued (a forward's cost is not linear in
     its width: on a CPU going from 1 to 2 tokens per row costs more than from 2 to 3, so with one wide width measured
     the wider ones cost what it did); else the table's, else 1 (a flat machine). A width not measured at R itself
-    costs at least a plain step of R x W rows (`tokens_seconds`, from the plain steps measured at other row counts).
+    costs at least a plain step of R x W rows (`tokens_seconds`, from the plain steps of 2+ rows measured).
     `knows_widths` tells the planner whether wide rounds are priced from a measure."""
 
     def __init__(self, cost_table: VerificationCostTable | None = None, learn: bool = True, smoothing: float = 0.3):
