@@ -2,9 +2,11 @@
 
     python benchmarks/arrivals.py --output benchmarks/results-arrivals/results.json
     python benchmarks/arrivals.py --rates 0.5,1 --requests 4 --max-new-tokens 8 --threads 1 --output /tmp/arr.json
+    python benchmarks/arrivals.py --rates inf --methods plain,defaults --no-sim --output /tmp/together.json
 
 For each arrival rate (`--rates`, requests per second) one fixed set of requests (`--requests` prompts drawn from
-the mix, `--seed`) gets Poisson arrival times: the same exponential draws at every rate, scaled by 1 / rate. Each
+the mix, `--seed`) gets Poisson arrival times: the same exponential draws at every rate, scaled by 1 / rate (`inf`:
+every request is submitted at once, before the first step, the load where a scheduler must brake hardest). Each
 method serves them in real time: a request is submitted once its arrival time has passed, the engine steps while
 anything waits or runs, and otherwise the loop sleeps until the next arrival. Methods (order rotated rate by rate):
 
@@ -67,7 +69,12 @@ parser.add_argument("--no-sim", action="store_true")
 parser.add_argument("--output", default="benchmarks/results-arrivals/results.json")
 add_prompt_arguments(parser)
 args = parser.parse_args()
-rates = [float(r) for r in args.rates.split(",")]
+try:
+    rates = [float(r) for r in args.rates.split(",")]
+except ValueError:
+    raise SystemExit(f"--rates must be numbers (requests/s) or inf, comma-separated; got {args.rates!r}") from None
+if not all(rate > 0 for rate in rates):
+    raise SystemExit(f"--rates must all be above 0 (inf: every request at once); got {args.rates!r}")
 methods = args.methods.split(",")
 if not set(methods) <= set(METHODS):
     raise SystemExit(f"--methods must name only {', '.join(METHODS)}")
@@ -304,6 +311,10 @@ def plot(path: Path) -> None:
     plt.close(figure)
 
 
+def rate_label(rate: float) -> str:
+    return "inf (all at once)" if rate == float("inf") else fmt(rate)
+
+
 def report() -> None:
     s = results["settings"]
     lines = ["# Poisson arrivals into `SpeculativeEngine`", ""] + provenance_lines(results)
@@ -326,9 +337,10 @@ def report() -> None:
     table = []
     for r in sorted(results["runs"], key=lambda r: (r["rate"], methods.index(r["method"]))):
         if "error" in r:
-            table.append([fmt(r["rate"]), r["method"]] + ["-"] * 9 + [r["error"]])
+            table.append([rate_label(r["rate"]), r["method"]] + ["-"] * 9 + [r["error"]])
             continue
-        table.append([fmt(r["rate"]), r["method"], r["per_user_tokens_per_s_mean"], r["per_user_tokens_per_s_p50"],
+        table.append([rate_label(r["rate"]), r["method"], r["per_user_tokens_per_s_mean"],
+                      r["per_user_tokens_per_s_p50"],
                       r["aggregate_tokens_per_s"], r["latency_s_mean"], r["latency_s_p90"], fmt(r["tau"], 3),
                       ", ".join(f"{k} {v}" for k, v in r["rounds_by_source"].items()) or "-",
                       r["identical_to_own_plain"] or "-",

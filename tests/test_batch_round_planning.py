@@ -1,6 +1,7 @@
 """Round planning at every batch size: the engine's planner (drafter block, suffix match or plain step per row, the
 batch's verification width from measured costs) and its losslessness at R > 1."""
 
+import math
 import random
 from collections import Counter
 
@@ -59,14 +60,19 @@ def test_round_costs_are_a_plain_step_and_ratios_to_it():
     assert costs.forward_seconds(2, 4) == 0.2  # no wider forward timed: flat, and the planner keeps rounds narrow
     costs.record_forward(2, 4, 0.8)  # 4x the plain step at 3 extra tokens per row: each adds 100%
     assert costs.widening == {(2, 4): pytest.approx(4.0)} and costs.forward_seconds(4, 3) == pytest.approx(0.9)
-    # Beyond the only wide width measured its price holds: the step from one token to several is mostly fixed.
-    assert costs.forward_seconds(4, 6) == pytest.approx(1.2)
+    # Beyond the widest width measured at several rows, a power through it and the one before (here W = 1: 4x at
+    # W = 4 is a rise in proportion to the width, so it goes on so).
+    assert costs.forward_seconds(4, 6) == pytest.approx(0.3 * 6.0)
     costs.record_forward(2, 5, 0.9)
-    costs.record_forward(2, 5, 0.9)  # a second wide width (4.5x): beyond it, the rise between the two continues
-    assert costs.forward_seconds(2, 7) == pytest.approx(0.2 * 5.5)
+    costs.record_forward(2, 5, 0.9)  # a second wide width (4.5x): beyond it, the power through the two widest
+    assert costs.forward_seconds(2, 7) == pytest.approx(0.2 * 4.5 * 1.4 ** (math.log(4.5 / 4.0) / math.log(5 / 4)))
+    assert 0.2 * 4.5 < costs.forward_seconds(2, 7) < 0.2 * 5.5  # above holding, below the rise continued
     costs.record_forward(4, 2, 0.48)
     costs.record_forward(4, 2, 0.48)  # at 4 rows the second token per row costs 60 %: the nearest row count's
-    assert costs.forward_seconds(4, 3) == pytest.approx(0.3 * 1.6) and costs.forward_seconds(5, 3) == 0.3 * 1.6
+    power = math.log(1.6) / math.log(2)
+    assert costs.forward_seconds(4, 2) == pytest.approx(0.3 * 1.6)
+    assert costs.forward_seconds(4, 3) == pytest.approx(0.3 * 1.6 * 1.5**power)
+    assert costs.forward_seconds(5, 3) == pytest.approx(0.3 * 1.6 * 1.5**power)
     assert costs.forward_seconds(3, 4) == pytest.approx(0.25 * 4.0)  # as near to 2 rows as to 4: the fewer's
     assert costs.forward_seconds(2, 3) == pytest.approx(0.2 * 3.0)  # at 2 rows its own widths: 1, 4 at W = 4, ...
     costs.record_draft(4, 0.15)
@@ -136,11 +142,33 @@ def test_a_width_not_measured_at_its_row_count_costs_at_least_plain_steps_of_as_
     assert costs.tokens_seconds(64) == pytest.approx(0.14 + rise * 56)
     assert costs.forward_seconds(8, 8) == pytest.approx(0.14 + rise * 56)
     assert costs.forward_seconds(8, 8) > 0.154
-    assert costs.forward_seconds(2, 3) == pytest.approx(max(0.10 * 1.1, costs.tokens_seconds(6)))
+    power = math.log(1.1) / math.log(2)  # beyond W = 2, the power through 1x at W = 1 and 1.1x at W = 2
+    assert costs.forward_seconds(2, 3) == pytest.approx(max(0.10 * 1.1 * 1.5**power, costs.tokens_seconds(6)))
     few = RoundCosts()
     for _ in range(2):
         few.record_forward(1, 1, 0.06), few.record_forward(4, 1, 0.11), few.record_forward(4, 2, 0.121)
-    assert few.tokens_seconds(64) == 0.0 and few.forward_seconds(8, 8) == pytest.approx(0.121)  # no curve: borrowed
+    assert few.tokens_seconds(64) == 0.0  # no curve: borrowed from 4 rows, and extended there
+    assert few.forward_seconds(8, 8) == pytest.approx(0.11 * 1.1 * 4**power)
+
+
+@pytest.mark.synthetic_timings
+def test_wider_than_measured_costs_more_at_several_rows_and_holds_at_one():
+    """Twelve requests at once on a 2-core CPU: a plain step took 0.095 s and 3 tokens a row 0.19 s; 8 tokens a row
+    then took 0.30 s, which held at 0.19 s priced a round of suffix proposals as a win it was not."""
+    costs = RoundCosts()
+    for _ in range(2):
+        costs.record_forward(12, 1, 0.095)
+        costs.record_forward(12, 3, 0.19)
+    assert 0.30 <= costs.forward_seconds(12, 8) <= 0.40  # 2x (8 / 3) ** (log 2 / log 3) of a plain step
+    assert costs.forward_seconds(12, 8) < 0.095 + (0.19 - 0.095) / 2 * 7  # below the rise per width continued
+    proposals = [RowOptions(7, expected_tokens([0.85] * 7, 7) if row % 2 else [1.0, 1.5, 1.6, 1.63])
+                 for row in range(12)]  # half the rows with long suffix matches likely to hold, as in that burst
+    assert RoundPlanner(costs).plan(proposals, drafter_possible=False).width < 8
+    one = RoundCosts()
+    for _ in range(2):
+        one.record_forward(1, 1, 0.04)
+        one.record_forward(1, 2, 0.06)  # one row: the step to a second token is mostly fixed, later tokens cheap
+    assert one.forward_seconds(1, 8) == pytest.approx(0.06)
 
 
 def test_slot_acceptance_and_expected_tokens():

@@ -7,6 +7,8 @@ yet. One `RoundCosts` serves every batch size; a call keeps it in its `DraftingS
 
 from __future__ import annotations
 
+import math
+
 from .cost_table import VerificationCostTable
 
 
@@ -19,12 +21,12 @@ class RoundCosts:
 
     `plain(R)` is measured in this loop (smoothed; a burst clipped at twice the estimate; a shape's first run, which
     may warm caches, provisional until its second; lowered by any wider forward that ran faster), else interpolated
-    over the row counts measured (flat beyond them), else the cost table's (R tokens), else 1. `widening(R, W)` is learnt
-    per shape from every wider forward: at the row count measured nearest to R, linear between the widths measured
-    there (1 at W = 1), beyond the widest the rise between the two widest continued (a forward's cost is not linear in
-    its width: on a CPU going from 1 to 2 tokens per row costs more than from 2 to 3, so with one wide width measured
-    the wider ones cost what it did); else the table's, else 1 (a flat machine). A width not measured at R itself
-    costs at least a plain step of R x W rows (`tokens_seconds`, from the plain steps of 2+ rows measured).
+    over the row counts measured (flat beyond them), else the cost table's (R tokens), else 1. `widening(R, W)` is
+    learnt per shape from every wider forward: at the row count measured nearest to R, linear between the widths
+    measured there (1 at W = 1), beyond the widest extended (`extended`: for several rows as a power through the last
+    two widths; for one row, whose step from 1 to 2 tokens is mostly a fixed cost, held or its last rise continued);
+    else the table's, else 1 (a flat machine). A width not measured at R itself costs at least a plain step of R x W
+    rows (`tokens_seconds`, from the plain steps of 2+ rows measured).
     `knows_widths` tells the planner whether wide rounds are priced from a measure."""
 
     def __init__(self, cost_table: VerificationCostTable | None = None, learn: bool = True, smoothing: float = 0.3):
@@ -91,7 +93,7 @@ class RoundCosts:
         if self.widening:
             nearest = min({r for r, _ in self.widening}, key=lambda r: (abs(r - rows), r))
             measured = {w: ratio for (r, w), ratio in self.widening.items() if r == nearest}
-            estimate = plain * extended({1: 1.0, **measured}, width)
+            estimate = plain * extended({1: 1.0, **measured}, width, several_rows=nearest >= 2)
             if nearest == rows and width <= max(measured):
                 return estimate  # measured at this shape's row count, within its widths
             # Borrowed from another row count or extended past the widest width: on a CPU a forward nearly free to
@@ -125,16 +127,28 @@ class RoundCosts:
         return self.cost_table.round_seconds(tokens) - self.cost_table.draft_seconds
 
 
-def extended(points: dict[int, float], x: int) -> float:
-    """Linear in x between measured points; beyond the last, its last segment's rise (never a fall) continues when
-    two widths past the first were measured, else the last point holds. The step from one token per row to two is
-    mostly a fixed cost (another kernel path, the wider LM head pass), not a rate per token: continued, it would
-    price a long proposal at several plain steps, and a width priced out is never run, so never timed."""
+def extended(points: dict[int, float], x: int, several_rows: bool = False) -> float:
+    """Linear in x between measured points. Beyond the last, for one row: its last segment's rise (never a fall)
+    continues when two widths past the first were measured, else the last point holds. One row's step from one token
+    to two is mostly a fixed cost (another kernel path, the wider LM head pass), not a rate per token: continued, it
+    would price a long proposal at several plain steps, and a width priced out is never run, so never timed.
+
+    For several rows (`several_rows`) a forward of R x W tokens is mostly arithmetic on its tokens, and widening a
+    round adds R tokens per width, so held flat the price falls far short (on a 2-core CPU, 12 rows: 2x a plain
+    step at W = 3, 3.1x at W = 8, priced 2x). It rises instead as the power through the last two points, x^a with
+    a = log(rise) / log(width ratio) in [0, 1]: between holding flat (a = 0) and growing in proportion to the tokens
+    (a = 1), concave as a forward's cost is (12 rows: 3.7x at W = 8 from W = 3; 8 rows, 1.45x at W = 2: 3.0x at
+    W = 8, measured 2.7x)."""
     keys = sorted(points)
-    if x <= keys[-1] or len(keys) <= 2:
+    if x <= keys[-1] or len(keys) < 2 or (len(keys) == 2 and not several_rows):
         return interpolated(points, x)
-    rise = max(points[keys[-1]] - points[keys[-2]], 0.0) / (keys[-1] - keys[-2])
-    return points[keys[-1]] + rise * (x - keys[-1])
+    last, before = keys[-1], keys[-2]
+    if several_rows:
+        rise = max(points[last], 1e-12) / max(points[before], 1e-12)
+        power = min(max(math.log(rise) / math.log(last / before), 0.0), 1.0)
+        return points[last] * (x / last) ** power
+    rise = max(points[last] - points[before], 0.0) / (last - before)
+    return points[last] + rise * (x - last)
 
 
 def interpolated(points: dict[int, float], x: int) -> float:
