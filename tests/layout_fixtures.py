@@ -82,3 +82,27 @@ def assert_batch_greedy_identical(target, drafter, vocab: int, max_new_tokens: i
     got = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
                           max_new_tokens=max_new_tokens, dspark_round_planning=False)
     assert torch.equal(got, expected), (got, expected)
+
+
+def assert_cache_context_matches_forward(drafter, features: torch.Tensor) -> None:
+    """`cache_context` (what a server runs when rows join) appends exactly the keys and values a drafting pass
+    appends for the same context rows, at explicit positions with gaps as a batch with holes has them, and a block
+    drafted over either cache comes out the same."""
+    from hf_dspark import DraftContextCache
+
+    rows, length = features.shape[:2]
+    positions = torch.arange(length)[None].repeat(rows, 1) + 3 * torch.arange(rows)[:, None]
+    block = torch.full((rows, 1), drafter.config.mask_token_id)
+    with torch.no_grad():
+        drafted, only = DraftContextCache(), DraftContextCache()
+        drafter(input_ids=block, target_hidden_states=features, position_ids=positions[:, -1:] + 1,
+                context_position_ids=positions, cache=drafted)
+        drafter.cache_context(features, positions, only)
+        assert len(only.keys) == len(drafted.keys) == len(drafter.layers)
+        for mine, theirs in zip(only.keys + only.values, drafted.keys + drafted.values):
+            assert torch.equal(mine, theirs)
+        follow = torch.full((rows, 3), drafter.config.mask_token_id)
+        follow_positions = positions[:, -1:] + 1 + torch.arange(3)
+        after_drafting = drafter(input_ids=follow, position_ids=follow_positions, cache=drafted).base_logits
+        after_caching = drafter(input_ids=follow, position_ids=follow_positions, cache=only).base_logits
+    assert torch.equal(after_drafting, after_caching)

@@ -13,8 +13,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 import hf_dspark
 from hf_dspark.hub.convert import convert_drafter
 from hf_dspark.models.errors import DrafterLoadError, UserInputError
-from layout_fixtures import (agreeing_markov_head, assert_batch_greedy_identical, assert_greedy_identical,
-                             bigram_target, random_tensors, write_checkpoint)
+from layout_fixtures import (agreeing_markov_head, assert_batch_greedy_identical, assert_cache_context_matches_forward,
+                             assert_greedy_identical, bigram_target, random_tensors, write_checkpoint)
 
 VOCAB, HIDDEN, HEADS, FFN, LAYERS, RANK, MASK = 128, 64, 4, 96, 2, 16, 5
 Q_LORA, KV_LORA, NOPE, ROPE, V = 32, 16, 16, 8, 16
@@ -112,6 +112,14 @@ def test_attention_is_transformers_deepseek_v3_attention_over_context_and_block(
         hidden = drafter.norm(hidden)
     torch.testing.assert_close(out.last_hidden_state, hidden, atol=1e-5, rtol=0)
     assert out.logits.shape == (1, 7, VOCAB)
+
+
+def test_cache_context_appends_what_a_drafting_pass_appends(folder):
+    drafter = hf_dspark.AutoDrafter.from_pretrained(folder)
+    generator = torch.Generator().manual_seed(4)
+    drafter.attach_stored_heads(torch.randn(VOCAB, HIDDEN, generator=generator),
+                                torch.randn(VOCAB, HIDDEN, generator=generator))
+    assert_cache_context_matches_forward(drafter, torch.randn(2, 6, len(TAPS) * HIDDEN, generator=generator))
 
 
 def test_refusals_name_the_field(tmp_path):

@@ -13,6 +13,7 @@ import hf_dspark
 from hf_dspark import DrafterTargetMismatchError, DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig
 from hf_dspark.generation import DraftingPlan
 from conftest import prompts, tiny_drafter, tiny_target
+from layout_fixtures import assert_cache_context_matches_forward
 
 
 def test_from_target_config_copies_shapes_for_every_family(family):
@@ -79,6 +80,15 @@ def test_cached_context_equals_one_pass_context():
         chunked = drafter(input_ids=block, target_hidden_states=features[:, 7:], cache=cache).base_logits
     assert cache.get_seq_length() == features.shape[1]  # block rows never enter the cache
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["markov", "dflash"])
+def test_cache_context_appends_what_a_drafting_pass_appends(family, kind):
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, kind)
+    drafter.attach_target(target)
+    features = torch.cat([_context(target, ids, drafter) for ids in prompts(4, length=7)[::3]], dim=0)  # 2 rows
+    assert_cache_context_matches_forward(drafter, features)
 
 
 def test_block_is_bidirectional_and_mask_blocks_future_context():

@@ -184,6 +184,20 @@ class DSparkDraftModel(DraftPreTrainedModel):
         """(batch, length, n_layers * hidden) concatenated target states -> (batch, length, hidden)."""
         return self.hidden_norm(self.fc(target_hidden_states.to(self.fc.weight.dtype)))
 
+    def cache_context(self, target_hidden_states: torch.Tensor, context_position_ids: torch.LongTensor,
+                      cache: DraftContextCache) -> DraftContextCache:
+        """Append new context rows' keys and values to `cache`, exactly what `forward` appends for them, without
+        drafting a block: a context row's keys and values depend only on its target features and position, never on
+        the block or on another layer's output. A server moves queued context into the cache this way when rows
+        join, where a block's pass (its layers and the LM head over the vocabulary) would be thrown away."""
+        context = self.fuse_context(target_hidden_states)
+        rope = self.rotary_emb(context_position_ids, self.fc.weight.dtype)  # the dtype `forward` gives it
+        for layer in self.layers:
+            attention = layer.self_attn
+            keys, values = attention._keys_values(context, rope)
+            cache.update(attention.layer_idx, keys, values)
+        return cache
+
     def confidence_logit(self, hidden: torch.Tensor, previous_embedding: torch.Tensor | None) -> torch.Tensor:
         """Logit of P(slot accepted | prefix accepted) from h_k and W1[x_{k-1}]; shape hidden.shape[:-1]."""
         features = hidden if previous_embedding is None else torch.cat([hidden, previous_embedding], dim=-1)

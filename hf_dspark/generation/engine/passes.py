@@ -150,7 +150,7 @@ def prefill_resumed(target, parked: list[ParkedCache], new_tokens: list[list[int
 
 
 def project_context(drafter: DSparkDraftModel | Eagle3DraftModel, rows: BatchRows) -> None:
-    """Move the queued context into the drafter's cache now, with a one-slot pass whose output is discarded.
+    """Move the queued context into the drafter's cache now (`DSparkDraftModel.cache_context`: no block drafted).
 
     A context row's keys and values depend only on its target features and position, not on the block, so this
     is what the next round would compute. Newcomers do it before joining: their prompt context then shares the
@@ -161,9 +161,7 @@ def project_context(drafter: DSparkDraftModel | Eagle3DraftModel, rows: BatchRow
         return
     if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
         return project_queued(drafter, rows)
-    block = rows.anchor.new_full((len(rows), 1), drafter.config.mask_token_id)
-    drafter(input_ids=block, target_hidden_states=rows.pending, position_ids=rows.target_length[:, None],
-            context_position_ids=rows.pending_positions, cache=rows.draft_cache)
+    drafter.cache_context(rows.pending, rows.pending_positions, rows.draft_cache)
     rows.draft_valid = torch.cat([rows.draft_valid, rows.pending_valid], dim=1)
     rows.take_context()
 
