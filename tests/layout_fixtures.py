@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from hf_dspark import DraftContextCache
 from conftest import tiny_target
 
 
@@ -88,8 +89,6 @@ def assert_cache_context_matches_forward(drafter, features: torch.Tensor) -> Non
     """`cache_context` (what a server runs when rows join) appends exactly the keys and values a drafting pass
     appends for the same context rows, at explicit positions with gaps as a batch with holes has them, and a block
     drafted over either cache comes out the same."""
-    from hf_dspark import DraftContextCache
-
     rows, length = features.shape[:2]
     positions = torch.arange(length)[None].repeat(rows, 1) + 3 * torch.arange(rows)[:, None]
     block = torch.full((rows, 1), drafter.config.mask_token_id)

@@ -143,9 +143,8 @@ def extended(points: dict[int, float], x: int, several_rows: bool = False) -> fl
     if x <= keys[-1] or len(keys) < 2 or (len(keys) == 2 and not several_rows):
         return interpolated(points, x)
     last, before = keys[-1], keys[-2]
-    if several_rows:
-        rise = max(points[last], 1e-12) / max(points[before], 1e-12)
-        power = min(max(math.log(rise) / math.log(last / before), 0.0), 1.0)
+    if several_rows:  # widening ratios are at least 1 (`record_forward`), so the log is defined
+        power = min(max(math.log(points[last] / points[before]) / math.log(last / before), 0.0), 1.0)
         return points[last] * (x / last) ** power
     rise = max(points[last] - points[before], 0.0) / (last - before)
     return points[last] + rise * (x - last)

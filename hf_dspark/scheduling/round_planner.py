@@ -23,8 +23,8 @@ seconds per row count, and, relative to it, what each width of forward and the d
 first round is a plain step, and so is the second at a row count (its first timing may be a cold one, and priced
 high it would make every wider round look cheap); until a wider forward has been timed, rounds verify at most
 `probe_width` tokens per row. A cost table, when given, prices what was not measured yet. With a table and nothing
-learnt (or `learn=False` without a table: every forward costs the same and drafting is free, a GPU-like machine) the prices
-stay the table's.
+learnt (or `learn=False` without a table: every forward costs the same and drafting is free, a GPU-like machine) the
+prices stay the table's.
 
 The drafter's expected tokens per row come from what verification accepted (`SlotAcceptance`: per draft slot, the
 chance it is accepted when the slots before it were), kept per request on top of the batch's pooled rates, so any
