@@ -384,6 +384,8 @@ if not args.no_warmup:  # first forwards, kernel choices, the drafter's first pa
             engine.run_until_done()
         except Exception:  # noqa: BLE001 - the timed run records the error
             pass
+        # A live engine holds its drafter's state (what it measured): the timed engines start from it once it is gone.
+        engine = None
 
 for position, rate in enumerate(rates):
     arrivals = [a / rate for a in unit_arrivals]

@@ -15,7 +15,8 @@ from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.generation.round.planning import RoundPlanning
 from hf_dspark.scheduling.round_costs import RoundCosts
-from hf_dspark.scheduling.round_planner import (DRAFTER, NO_DRAFT, SUFFIX, RoundPlanner, RowOptions, SlotAcceptance,
+from hf_dspark.scheduling.round_planner import (DRAFTER, NO_DRAFT, SUFFIX, RoundCalibration, RoundPlan, RoundPlanner,
+                                                RowOptions, SlotAcceptance,
                                                 expected_tokens, finishing_value, shortening, steady_shortening)
 from hf_dspark.scheduling.cost_table import VerificationCostTable
 from lossless_checks import assert_three_tokens_match
@@ -172,13 +173,80 @@ def test_wider_than_measured_costs_more_at_several_rows_and_holds_at_one():
 
 
 def test_slot_acceptance_and_expected_tokens():
-    acceptance = SlotAcceptance(3, decay=1.0)
+    acceptance = SlotAcceptance.empty(3, decay=1.0)
     acceptance.record(verified=3, accepted=1)  # slot 1 accepted, slot 2 rejected, slot 3 never reached
     acceptance.record(verified=3, accepted=3)
     assert acceptance.reached == [2.0, 2.0, 1.0] and acceptance.accepted == [2.0, 1.0, 1.0]
     rates = acceptance.rates([0.5, 0.5, 0.5], prior_weight=2.0)
     assert rates == pytest.approx([3 / 4, 2 / 4, 2 / 3])
     assert expected_tokens(rates, 2) == pytest.approx([1.0, 1.75, 1.75 + 0.375])
+
+
+def test_calibration_is_a_brake_kept_per_row_count_band_and_proposer():
+    calibration = RoundCalibration()
+    assert calibration.tokens_factor(3, SUFFIX) == 1.0 and calibration.seconds_factor(3) == 1.0  # nothing seen
+    for _ in range(6):
+        calibration.record_tokens(3, SUFFIX, 2.0, 0)  # priced at two extra tokens, none accepted
+        calibration.record_seconds(3, 0.1, 0.2)  # priced at 0.1 s, took twice that
+    assert 0.0 < calibration.tokens_factor(3, SUFFIX) < 0.5 and 1.5 < calibration.seconds_factor(3) < 2.0
+    assert calibration.tokens_factor(2, SUFFIX) == calibration.tokens_factor(3, SUFFIX)  # 2-3 rows: one band
+    assert calibration.tokens_factor(3, DRAFTER) == 1.0  # another proposer
+    assert calibration.tokens_factor(4, SUFFIX) == 1.0 and calibration.seconds_factor(4) == 1.0  # another band
+    for _ in range(6):
+        calibration.record_tokens(8, DRAFTER, 1.0, 4)  # delivered more than priced, faster than priced
+        calibration.record_seconds(8, 0.2, 0.1)
+    assert calibration.tokens_factor(8, DRAFTER) == 1.0 and calibration.seconds_factor(8) == 1.0  # never a spur
+    for _ in range(40):  # rounds that deliver as priced bring a braked band back
+        calibration.record_tokens(3, SUFFIX, 2.0, 2)
+        calibration.record_seconds(3, 0.1, 0.1)
+    assert calibration.tokens_factor(3, SUFFIX) > 0.99 and calibration.seconds_factor(3) < 1.01
+
+
+@pytest.mark.synthetic_timings
+def test_rounds_that_deliver_less_than_priced_brake_the_planner_to_plain_steps():
+    """Suffix rounds priced above the plain step's rate by more than the margin: chosen while they deliver what they
+    were priced at, and no longer once they deliver a fraction of it (the picked estimates erred high)."""
+    def planner_after(accepted: int) -> RoundPlanner:
+        planner = RoundPlanner(cpu_like_costs())
+        for _ in range(8):
+            planner.calibration.record_tokens(3, SUFFIX, 1.2, accepted)
+        return planner
+
+    options = [RowOptions(4, expected_tokens([0.6] * 4, 4), [1.0])] * 3
+    assert RoundPlanner(cpu_like_costs()).plan(options).sources == [SUFFIX] * 3
+    assert planner_after(1).plan(options).sources == [SUFFIX] * 3  # about as priced
+    assert planner_after(0).plan(options).width == 1  # nothing of what was priced: plain steps
+    slow = RoundPlanner(cpu_like_costs())
+    for _ in range(8):
+        slow.calibration.record_seconds(3, 0.01, 0.03)  # rounds took three times their price
+    assert slow.plan(options).width == 1
+
+
+def test_a_loop_prices_the_drafter_from_what_earlier_loops_of_it_measured():
+    """Each loop learns the drafter's acceptance afresh, from what earlier loops on the same state measured as its
+    prior (not an even chance per slot), and never counts its own rounds twice."""
+    class Request:
+        tokens, max_new_tokens, emitted = [5, 6, 7], 64, 0
+
+    def loop(remembered: SlotAcceptance | None, rejected_rounds: int = 0) -> list[float]:
+        """A loop whose drafter's first slot is always rejected: its estimate after `rejected_rounds` rounds."""
+        planning = RoundPlanning(3, planning=True, suffix_drafting=False, learn_costs=False,
+                                 drafter_acceptance=remembered)
+        for _ in range(rejected_rounds):
+            planning.plan([0], [Request()], [3], drafter_possible=True)
+            planning.record(RoundPlan(True, [DRAFTER], [3]), [0], [3], [0], 4, planning.drafted())
+        planning.plan([0], [Request()], [3], drafter_possible=True)
+        return planning._options[0].drafter_expected
+
+    assert loop(None) == pytest.approx(expected_tokens([0.5] * 3, 3))  # nothing measured: even chances
+    remembered = SlotAcceptance(decay=0.98)
+    # The first loop on a state learns as a loop without one does: its own rounds are not its prior too.
+    assert loop(remembered, 30) == pytest.approx(loop(None, 30))
+    assert len(remembered.reached) == 3 and remembered.reached[0] > 20 and remembered.accepted == [0.0] * 3
+    later = loop(remembered)
+    assert later[1] < 1.1 < expected_tokens([0.5], 1)[1]  # started from what the first loop saw
+    wider = RoundPlanning(5, planning=True, suffix_drafting=False, learn_costs=False, drafter_acceptance=remembered)
+    assert len(remembered.reached) == 5 and wider.remembered_pool is remembered  # a loop drafting more slots
 
 
 @pytest.mark.synthetic_timings
@@ -336,11 +404,14 @@ def test_planned_rounds_mix_proposers_and_every_row_is_its_plain_greedy(monkeypa
     assert sources["drafter"] > 0 and sources["suffix"] > 0, sources
 
 
-def test_generate_route_plans_rounds_with_greedy_identity_and_stats():
+def test_generate_route_plans_rounds_with_greedy_identity_and_stats(monkeypatch):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target, "markov", block_size=4, suffix_drafting=True)
-    # Every row repeats itself: a generate() batch pays for a round only when all its rows would advance.
+    # Every row repeats itself: a generate() batch pays for a round only when all its rows would advance, so the
+    # drafter's rows must advance too (an untrained drafter's are priced out once its rounds delivered nothing).
     prompt_list = repetitive_prompts(3)
+    use_oracle(monkeypatch, [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW + 8)[0] for p in prompt_list],
+               block_size=4)
     ids, mask = left_pad(prompt_list)
     state = DraftingState()
     state.statistics.suffix.prior_accepted = 20.0  # the call's state: suffix matches start out promising
@@ -402,6 +473,42 @@ def test_a_drafters_own_state_is_never_shared_by_two_running_calls():
             assert own.state is given
     with remembered_state(drafter, target, DraftingPlan.for_call(drafter)) as later:
         assert later.state is running.state  # free again: the next call starts from it
+
+
+def test_an_engine_starts_from_what_earlier_engines_measured_and_holds_it_while_it_lives():
+    """An engine built directly learns into its drafter's own state for the target, as a call does: a later engine
+    starts from the round costs an earlier one measured; two live engines never share one, and an engine given a
+    plan (what generate() passes down) keeps the plan's state."""
+    import gc
+    import weakref
+    from hf_dspark.generation.call.plan import DraftingPlan
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    prompt_list = prompts(2)
+    expected = plain_greedy(target, prompt_list)
+
+    def served(engine):
+        ids = [engine.submit(p[0], max_new_tokens=MAX_NEW) for p in prompt_list]
+        outputs = engine.run_until_done()
+        for request_id, reference in zip(ids, expected):
+            assert outputs[request_id].tolist() == reference.tolist()
+        return engine.planning.costs
+
+    first = SpeculativeEngine(target, drafter)
+    first_costs = served(first)
+    assert first_costs.plain  # it timed its plain steps
+    beside = SpeculativeEngine(target, drafter)  # the first still lives: a fresh state
+    assert beside.planning.costs is not first_costs and not beside.planning.costs.plain
+    given = DraftingState()
+    planned = SpeculativeEngine(target, drafter, plan=DraftingPlan.for_call(drafter, {"dspark_state": given}))
+    assert planned.plan.state is given
+    gone = weakref.ref(first)
+    del first, beside, planned
+    gc.collect()
+    assert gone() is None
+    later = SpeculativeEngine(target, drafter)
+    assert later.planning.costs is first_costs and later.planning.costs.plain  # starts from what the first measured
+    served(later)
 
 
 def test_no_drafter_pass_in_rounds_the_planner_makes_plain():

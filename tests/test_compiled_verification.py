@@ -159,10 +159,12 @@ def test_sampling_draws_what_the_eager_loop_draws(targets, compile_config, kind)
     sampling = dict(do_sample=True, temperature=0.8, top_p=0.95)
     accepted = 0
     for seed, ids in enumerate(prompts(2, vocab_size=SMALL_VOCAB) * 2):
+        # Each call from a fresh state: what an earlier call measured (its drafter's acceptance) changes the plans.
         torch.manual_seed(seed)
-        eager = target.generate(ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, **sampling)
+        eager = target.generate(ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, dspark_state=DraftingState(),
+                                **sampling)
         torch.manual_seed(seed)
-        compiled = static_generate(target, ids, drafter, compile_config, **sampling)
+        compiled = static_generate(target, ids, drafter, compile_config, dspark_state=DraftingState(), **sampling)
         assert torch.equal(compiled, eager)
         accepted += sum(drafter.last_generation_stats.accepted)
     assert accepted > 0

@@ -131,7 +131,8 @@ def test_custom_generate_samples_exactly_like_hf_dspark(saved, tmp_path):
     drafter.save_pretrained(tmp_path / "flat")
     ids = [7, 11, 13, 2, 40]
     torch.manual_seed(0)
-    ours = target.generate(torch.tensor([ids]), assistant_model=drafter, max_new_tokens=20, do_sample=True, top_k=0)
+    ours = target.generate(torch.tensor([ids]), assistant_model=drafter, max_new_tokens=20, do_sample=True, top_k=0,
+                           dspark_round_planning=False)  # as the remote run: every round drafts
     remote = run_without_hf_dspark(tmp_path, tmp_path / "flat", folder / "target", ids, 20, sample=True)
     assert remote["spec"] == ours[0].tolist()
 

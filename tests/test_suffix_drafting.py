@@ -145,7 +145,8 @@ def test_a_drafter_slower_than_its_table_says_is_skipped_and_output_stays_exact(
         if learn:  # measured on the loop's clock: a plain step takes 1 ms, the drafter's pass 40
             (measured,) = state.round_costs.values()
             assert measured.plain_seconds(1) == pytest.approx(1e-3) and measured.draft_seconds(1) == pytest.approx(0.04)
-    # Priced by the table, the drafter runs whenever its drafts are expected to pay at all (about every other round
-    # for this random drafter); priced by its measured pass, a tenth as often at most (its probes).
-    assert sources[False].count("drafter") > 0.4 * len(sources[False])
-    assert 10 * sources[True].count("drafter") < sources[False].count("drafter")
+    # Priced by the table, the drafter runs whenever its drafts are expected to pay at all (about a third of the rounds
+    # for this random drafter, whose few accepted drafts its calibration counts); priced by its measured pass, a
+    # fifth as often at most (its probes).
+    assert sources[False].count("drafter") > 0.25 * len(sources[False])
+    assert 5 * sources[True].count("drafter") < sources[False].count("drafter")

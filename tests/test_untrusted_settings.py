@@ -287,7 +287,8 @@ def test_a_targets_generation_config_naming_a_file_is_refused_at_generate(models
 
 
 GOOD_STATE = {"suffix": {"prior_accepted": 1.0, "prior_rejected": 3.0, "decay": 0.9, "accepted": {"2": 1.5},
-                         "reached": {"2": 2.0}}}
+                         "reached": {"2": 2.0}},
+              "drafter": {"reached": [4.0, 2.0], "accepted": [2.0, 0.5], "decay": 0.98}}
 # What a state saved by an earlier hf_dspark also held (one planner per batch size then): loaded without them.
 RETIRED = {"drafter_expected": 2.5, "drafter_tokens": 3.0, "rounds_without_drafter": 1, "probe_interval": 16,
            "forward_seconds": {"1": 0.1, "3": 0.2}, "draft_seconds": 0.05}
@@ -301,11 +302,17 @@ RETIRED = {"drafter_expected": 2.5, "drafter_tokens": 3.0, "rounds_without_draft
     ({"suffix": {"prior_accepted": 0, "prior_rejected": 0}}, "suffix.prior_accepted"),
     ({"suffix": {"bogus": 1}}, "suffix.bogus"),
     ({"bogus": 1}, "bogus"),
+    ({"drafter": {"reached": [1.0], "accepted": [2.0]}}, "drafter.accepted[0]"),
+    ({"drafter": {"reached": [1.0, 1.0], "accepted": [1.0]}}, "drafter.accepted"),
+    ({"drafter": {"reached": [-1.0], "accepted": [0.0]}}, "drafter.reached[0]"),
+    ({"drafter": {"reached": "many", "accepted": []}}, "drafter.reached"),
+    ({"drafter": {"decay": 2}}, "drafter.decay"),
+    ({"drafter": {"slots": 7}}, "drafter.slots"),
 ])
 def test_a_saved_drafting_state_with_a_wrong_field_is_refused_at_load(tmp_path, change, field):
     saved = json.loads(json.dumps(GOOD_STATE))
     for key, value in change.items():
-        saved[key] = value if key != "suffix" or not isinstance(value, dict) else saved["suffix"] | value
+        saved[key] = value if key not in ("suffix", "drafter") or not isinstance(value, dict) else saved[key] | value
     (tmp_path / "state.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError) as raised:
         DraftingState.load(tmp_path / "state.json")
@@ -314,6 +321,7 @@ def test_a_saved_drafting_state_with_a_wrong_field_is_refused_at_load(tmp_path, 
     (tmp_path / "state.json").write_text(json.dumps(GOOD_STATE))
     state = DraftingState.load(tmp_path / "state.json")
     assert state.statistics.suffix.reached == {2: 2.0} and state.statistics.suffix.accepted == {2: 1.5}
+    assert state.statistics.drafter.reached == [4.0, 2.0] and state.statistics.drafter.accepted == [2.0, 0.5]
     (tmp_path / "old.json").write_text(json.dumps(RETIRED | GOOD_STATE))
     assert DraftingState.load(tmp_path / "old.json") == state
     state.save(tmp_path / "again.json")

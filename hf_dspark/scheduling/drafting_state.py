@@ -10,22 +10,27 @@ from pathlib import Path
 from ..models.config_checks import is_finite_number
 from ..models.errors import UserInputError
 from ..models.json_files import read_json
-from .round_planner import SuffixAcceptance
+from .round_planner import SlotAcceptance, SuffixAcceptance
+
+# Per slot and round: the drafter's remembered acceptance weighs about the last fifty rows' rounds.
+DRAFTER_MEMORY_DECAY = 0.98
 
 @dataclass
 class ProposalStatistics:
     """What earlier rounds taught that later calls, and later processes, start from: how often suffix proposals are
-    accepted per match length (text that repeats itself is a habit of the workload, not of one call). What the
-    drafter's drafts achieve is learnt afresh by each call, whose prompts are its own."""
+    accepted per match length (text that repeats itself is a habit of the workload, not of one call), and how often
+    the drafter's slots are accepted (`drafter`, slowly decayed). What the drafter's drafts achieve is learnt afresh
+    by each call, whose prompts are its own: `drafter` is only its prior, one observation's weight per slot."""
 
     suffix: SuffixAcceptance = field(default_factory=SuffixAcceptance)
+    drafter: SlotAcceptance = field(default_factory=lambda: SlotAcceptance(decay=DRAFTER_MEMORY_DECAY))
 
 
 @dataclass
 class DraftingState:
     """What rounds learn and later calls start from: `statistics`, and the round costs measured on this machine
-    (`round_costs`: a `RoundCosts` per cost-table setting, in memory only). A `generate()` call without
-    `dspark_state=` learns into its drafter's own state for that target, device, dtype and thread count
+    (`round_costs`: a `RoundCosts` per cost-table setting, in memory only). A `generate()` call or a `SpeculativeEngine` without a state of its
+    own learns into its drafter's own state for that target, device, dtype and thread count
     (`call.remembered_state`); pass one to choose what calls share, at every batch size.
     `reset()` forgets everything, `save(path)` / `DraftingState.load(path)` keep `statistics` across processes
     (JSON)."""
@@ -79,7 +84,26 @@ def _checked_statistics(saved, source: str) -> ProposalStatistics:
     suffix["decay"] = check.number(suffix, "suffix.decay", 0.0, high=1.0, default=defaults.decay)
     for name in ("accepted", "reached"):
         suffix[name] = check.counts(suffix, f"suffix.{name}", 0, lambda v, n: check.value(v, n, 0.0))
-    return ProposalStatistics(suffix=SuffixAcceptance(**suffix))
+    return ProposalStatistics(suffix=SuffixAcceptance(**suffix),
+                              drafter=_checked_drafter(saved.pop("drafter", {}), check, source))
+
+
+def _checked_drafter(saved, check: "_StateCheck", source: str) -> SlotAcceptance:
+    """The drafter's slot acceptance: a decay in [0, 1] and two lists of as many counts, none accepted more often
+    than reached."""
+    drafter = _checked_fields(saved, SlotAcceptance, "drafter.", source)
+    decay = check.number(drafter, "drafter.decay", 0.0, high=1.0, default=DRAFTER_MEMORY_DECAY)
+    counts = {}
+    for name in ("reached", "accepted"):
+        values = drafter.get(name, [])
+        check.require(isinstance(values, list) and len(values) <= 4096, f"drafter.{name}", values,
+                      "a list of at most 4096 counts")
+        counts[name] = [check.value(v, f"drafter.{name}[{i}]", 0.0) for i, v in enumerate(values)]
+    check.require(len(counts["accepted"]) == len(counts["reached"]), "drafter.accepted", drafter.get("accepted"),
+                  "a list as long as drafter.reached")
+    for slot, (accepted, reached) in enumerate(zip(counts["accepted"], counts["reached"])):
+        check.require(accepted <= reached, f"drafter.accepted[{slot}]", accepted, f"<= drafter.reached[{slot}]")
+    return SlotAcceptance(counts["reached"], counts["accepted"], decay)
 
 
 def _checked_fields(saved, kind, prefix: str, source: str) -> dict:

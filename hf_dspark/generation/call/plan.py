@@ -78,7 +78,8 @@ class DraftingPlan:
         settings = self.settings
         return RoundPlanning(slots, planning=settings.round_planning, suffix_drafting=settings.suffix_drafting,
                              cost_table=settings.cost_table, learn_costs=settings.learn_round_costs and timed,
-                             suffix_acceptance=self.state.statistics.suffix, memory=self.state.round_costs)
+                             suffix_acceptance=self.state.statistics.suffix,
+                             drafter_acceptance=self.state.statistics.drafter, memory=self.state.round_costs)
 
     def stop_rule(self) -> HostStoppingRule | None:
         return HostStoppingRule.from_limits(self.stop_limits)

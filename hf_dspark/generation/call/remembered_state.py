@@ -8,6 +8,7 @@ Outputs never depend on it: a round's plan reads only earlier rounds, and the ve
 target's whatever is verified. Speed alone does. A call that finds the state in use (another thread generating with
 the same drafter and target) learns into a fresh one, so no state is ever shared by two running calls. Pass
 `dspark_state=DraftingState()` for a call that starts fresh, or one state of your own to choose what calls share.
+A `SpeculativeEngine` built directly holds its drafter's state for its whole life (`hold_remembered_state`).
 """
 
 from __future__ import annotations
@@ -26,24 +27,48 @@ _LOCK = threading.Lock()
 _STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-@contextmanager
-def remembered_state(drafter, target, plan):
-    """`plan` with the drafter's own state for `target` while the call runs (the plan unchanged when the call gave
-    a state of its own, or when another call holds that one)."""
-    if plan.settings.state_given:
-        yield plan
-        return
+def _claim(drafter, target) -> list | None:
+    """The drafter's own [state, in use] entry for `target`, marked in use; None when another holder has it."""
     key = (str(target.device), target.dtype, torch.get_num_threads())
     with _LOCK:
         per_target = _STATES.setdefault(drafter, weakref.WeakKeyDictionary())
         held = per_target.setdefault(target, {}).setdefault(key, [DraftingState(), False])
-        taken = not held[1]
+        if held[1]:
+            return None
         held[1] = True
-    if not taken:
+        return held
+
+
+def _release(held: list) -> None:
+    with _LOCK:
+        held[1] = False
+
+
+def _with_state(plan, state):
+    return replace(plan, settings=replace(plan.settings, state=state))
+
+
+@contextmanager
+def remembered_state(drafter, target, plan):
+    """`plan` with the drafter's own state for `target` while the call runs (the plan unchanged when the call gave
+    a state of its own, or when another call holds that one)."""
+    held = None if plan.settings.state_given else _claim(drafter, target)
+    if held is None:
         yield plan
         return
     try:
-        yield replace(plan, settings=replace(plan.settings, state=held[0]))
+        yield _with_state(plan, held[0])
     finally:
-        with _LOCK:
-            held[1] = False
+        _release(held)
+
+
+def hold_remembered_state(owner, drafter, target, plan):
+    """`plan` with the drafter's own state for `target` for as long as `owner` (a `SpeculativeEngine`) lives: an
+    engine, like a call, starts from what earlier calls and engines measured on this machine (so each new engine
+    does not spend its first rounds measuring the same forwards again) and leaves what it learns to later ones. The
+    plan unchanged when it has a state of its own or another holder has the drafter's."""
+    held = None if plan.settings.state_given else _claim(drafter, target)
+    if held is None:
+        return plan
+    weakref.finalize(owner, _release, held)
+    return _with_state(plan, held[0])

@@ -41,6 +41,7 @@ from ..round.drafting import Drafts, draft_block, draft_input_block, emitted_dra
 from ..round.verification import verify_drafts
 from ...scheduling.round_planner import DRAFTER
 from ..call.plan import DraftingPlan
+from ..call.remembered_state import hold_remembered_state
 from .eagle3 import row_drafter_for
 from .checks import (check_drafter, check_left_padded, check_parking, check_resume, check_target, checked_prompt,
                             engine_plan)
@@ -117,6 +118,10 @@ class SpeculativeEngine:
         draft_length: slots drafted per round, 1..`drafter.config.num_draft_slots`. Unset, these three come from
             the drafter's `generation_config`, resolved as `generate()` resolves them (`DraftingPlan.for_call`).
         plan: a `DraftingPlan` instead of the three above (what `generate()` passes down: every setting of the call).
+            Without one, the engine learns into its drafter's own `DraftingState` for this target while it lives
+            (what `generate()` calls and earlier engines measured: this machine's round costs, how often suffix
+            proposals and the drafter's slots are accepted), as a call does; another engine or call running at the
+            same time learns into a fresh one.
         generator: random source for drafting and acceptance (sampled requests without a generator of their own).
         keep_stats: keep every request's statistics in `stats` after its output is returned (a long-running
             server would grow without bound; by default they leave with the output, see `returned_stats`).
@@ -141,8 +146,11 @@ class SpeculativeEngine:
             self.rule, self.gamma, self.layer_indices, self.feature_device = None, 0, (), None
         else:
             check_drafter(target, drafter)
-            # generate()'s call passes its plan down unchanged; an engine built directly makes one of its arguments.
-            plan = plan if plan is not None else engine_plan(drafter, policy, policy_arg, threshold_rule, draft_length)
+            # generate()'s call passes its plan down unchanged (with the call's state); an engine built directly makes
+            # one of its arguments and learns into its drafter's own state for this target while it lives.
+            if plan is None:
+                plan = hold_remembered_state(self, drafter, target, engine_plan(drafter, policy, policy_arg,
+                                                                                 threshold_rule, draft_length))
             self.rule = plan.length_rule()
             self.gamma = self.rule.max_slots(plan.draft_length)
             drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
@@ -163,6 +171,7 @@ class SpeculativeEngine:
         self._parked: dict[int, ParkedCache] = {}
         self._waiting: list[int] = []
         self._rows: BatchRows | None = None
+        self._draft_timed = True
         self._gate = EngineGate()  # other threads' submissions and cancellations
         self._reset_policy()
 
@@ -372,7 +381,7 @@ class SpeculativeEngine:
         values = torch.cat([num_accepted[:, None], new_tokens], dim=1).tolist()  # the round's second read
         accepted = [row[0] for row in values]
         commit_round(rows, num_accepted, accepted, width, features, positions, new_tokens)
-        self.planning.record(plan, request_ids, lengths, accepted, width, verification_started)
+        self.planning.record(plan, request_ids, lengths, accepted, width, verification_started, self._draft_timed)
 
         self.verified_tokens_per_round.append(sum(lengths) + len(rows))
         before = [request.emitted for request in requests]
@@ -388,6 +397,9 @@ class SpeculativeEngine:
         drafts), the suffix rows' proposals laid over them. Returns (drafts, verified lengths on the host, per row
         the confidences of its verified slots or None)."""
         num_rows, device = len(rows), rows.anchor.device
+        # A pass that catches up on more context than a round commits (the prompts of a batch that started
+        # together, or many plain rounds) costs what later rounds do not: not timed, as at batch 1.
+        self._draft_timed = rows.pending.shape[1] <= self.gamma + 1
         if plan.use_drafter:
             budgets = [length if source == DRAFTER else 0 for source, length in zip(plan.sources, plan.lengths)]
             drafts = self._draft_rows(self.drafter, rows, to_device(budgets, device), max(budgets), self.rule,

@@ -30,7 +30,7 @@ class RequestProposals:
 
     def __init__(self, slots: int, suffix_acceptance: SuffixAcceptance | None):
         self.suffix = SuffixProposer(suffix_acceptance) if suffix_acceptance is not None else None
-        self.acceptance = SlotAcceptance(slots)
+        self.acceptance = SlotAcceptance.empty(slots)
         self.seen = 0  # tokens of the request's text given to the suffix index
         self.proposal: list[int] = []
 
@@ -55,19 +55,29 @@ class RoundPlanning:
     """A loop's planner: per request proposals, the batch's pooled drafter acceptance and the round costs."""
 
     def __init__(self, slots: int, *, planning: bool, suffix_drafting: bool, cost_table=None, learn_costs: bool = True,
-                 suffix_acceptance: SuffixAcceptance | None = None, drafter: bool = True, memory: dict | None = None):
+                 suffix_acceptance: SuffixAcceptance | None = None, drafter_acceptance: SlotAcceptance | None = None,
+                 drafter: bool = True, memory: dict | None = None):
         """`memory`: a `DraftingState.round_costs` whose round costs (what this machine's forwards and drafter passes
         cost, measured by earlier loops with the same cost-table setting) the loop starts from and learns into.
-        What the drafter's drafts achieve is learnt afresh by each loop: a call's prompts are its own, and a
-        drafter priced out by a few unlucky rounds would otherwise never be probed again."""
+        What the drafter's drafts achieve is learnt afresh by each loop (a call's prompts are its own, and a
+        drafter priced out by a few unlucky rounds would otherwise never be probed again), over a prior per slot of
+        one observation's weight: `drafter_acceptance`, what earlier loops measured (`ProposalStatistics.drafter`),
+        which this loop learns into."""
         self.slots, self.planning = slots, planning
         self.suffix_acceptance = (suffix_acceptance if suffix_acceptance is not None else SuffixAcceptance()) \
             if planning and suffix_drafting else None
         self.costs = _remembered_costs(memory, cost_table, learn_costs)
         self.planner = RoundPlanner(self.costs, drafter_allowed=drafter)
-        self.pool = SlotAcceptance(slots)
+        self.pool = SlotAcceptance.empty(slots)
+        self.remembered_pool = drafter_acceptance if drafter_acceptance is not None else SlotAcceptance.empty(slots)
+        self.remembered_pool.cover(slots)
+        # Each slot's prior: what earlier loops of this drafter measured (taken now: this loop's own rounds, which
+        # it learns into, must not count twice), else the slot before it.
+        self._slot_priors = self.remembered_pool.pooled_rates(_POOL_PRIOR, _POOL_PRIOR_WEIGHT)[:slots] \
+            if any(self.remembered_pool.reached[:slots]) else None
         self.requests: dict[int, RequestProposals] = {}
         self._started = 0.0
+        self._options: list[RowOptions] | None = None  # the latest plan's, uncalibrated
         # A batch that returns when its last row is done (generate()): a round is worth the steps it takes off the
         # batch's remaining work (`round_planner.finishing_value`), which the slowest rows set, not the tokens' sum.
         self.finish_together = False
@@ -87,7 +97,7 @@ class RoundPlanning:
             drafting = drafter_possible and max(budgets) > 0
             return RoundPlan(drafting, [DRAFTER if drafting and b > 0 else NO_DRAFT for b in budgets],
                              list(budgets) if drafting else [0] * len(budgets))
-        pooled = self.pool.pooled_rates(_POOL_PRIOR, _POOL_PRIOR_WEIGHT)
+        pooled = self.pool.pooled_rates(_POOL_PRIOR, _POOL_PRIOR_WEIGHT, self._slot_priors)
         # Two pseudo-observations of acceptance per slot on top of what the batch measured: an upper estimate that
         # stays high until probes have measured enough, then falls to the measured rates.
         optimistic = self.pool.rates([1.0] * self.slots, _OPTIMISM_WEIGHT)
@@ -103,6 +113,7 @@ class RoundPlanning:
             drafted = expected_tokens(own.acceptance.rates(pooled, _REQUEST_PRIOR_WEIGHT), budget)
             left = request.max_new_tokens - request.emitted if self.finish_together else None
             options.append(RowOptions(budget, suffix, drafted, left, expected_tokens(optimistic, budget)))
+        self._options = options  # as priced before calibration, which `record` measures against
         return self.planner.plan(options, drafter_possible)
 
     def drafted(self) -> float:
@@ -118,10 +129,24 @@ class RoundPlanning:
         if plan.use_drafter and draft_timed:
             self.costs.record_draft(rows, verification_started - self._started)
         self.costs.record_forward(rows, width, finished - verification_started)
+        if any(plan.lengths) and self._options is not None:
+            self._calibrate(plan, accepted, finished - self._started if draft_timed or not plan.use_drafter else None)
         for request_id, source, length, count in zip(request_ids, plan.sources, lengths, accepted):
             if source == DRAFTER and length > 0:
                 self._proposals(request_id).acceptance.record(length, count)
                 self.pool.record(length, count)
+                self.remembered_pool.record(length, count)
+
+    def _calibrate(self, plan: RoundPlan, accepted: list[int], seconds: float | None) -> None:
+        """What the planned round delivered against its price, per proposal and in seconds (when timed and the costs
+        are learnt: a table's prices are the table's), for the planner's calibration."""
+        calibration, rows = self.planner.calibration, len(plan.sources)
+        for option, source, length, count in zip(self._options, plan.sources, plan.lengths, accepted):
+            if source != NO_DRAFT and length > 0:
+                expected = option.suffix_expected if source == SUFFIX else option.drafter_expected
+                calibration.record_tokens(rows, source, expected[length] - 1.0, count)
+        if seconds is not None and self.costs.learn:
+            calibration.record_seconds(rows, plan.seconds, seconds)
 
     def suffix_rows(self, plan: RoundPlan, request_ids: list[int]) -> dict[int, list[int]]:
         """Row -> the tokens its suffix proposal verifies this round."""
