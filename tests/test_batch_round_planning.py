@@ -371,6 +371,35 @@ def test_a_flat_machine_drafts_and_a_plain_winner_still_probes_the_drafter():
     gaps = [b - a for a, b in zip([i for i, d in enumerate(drafted) if d], [i for i, d in enumerate(drafted) if d][1:])]
     assert gaps and gaps[-1] == 8
     assert not planner.plan(poor, drafter_possible=False).use_drafter
+    # A pass that would catch up on whole prompts is no probe's to spend: none however long the drafter was idle.
+    assert not any(planner.plan(poor, probe_allowed=False).use_drafter for _ in range(30))
+    assert any(planner.plan(poor).use_drafter for _ in range(30))
+
+
+def test_the_optimistic_estimate_weighs_what_earlier_loops_measured_but_stays_optimistic():
+    remembered = SlotAcceptance(decay=0.98)
+    for _ in range(40):
+        remembered.cover(3)
+        remembered.record(3, 0)  # a drafter whose first slot was always rejected
+    fresh = RoundPlanning(3, planning=True, suffix_drafting=False, learn_costs=False)
+    known = RoundPlanning(3, planning=True, suffix_drafting=False, learn_costs=False, drafter_acceptance=remembered)
+    assert fresh._optimistic_rates() == pytest.approx([1.0] * 3)  # nothing measured: anything could be found
+    first = known._optimistic_rates()[0]
+    assert 0.1 < first < 0.3  # eight remembered rejections beside two optimistic acceptances
+    assert first > known._slot_priors[0]  # still above what was measured
+
+
+def test_rows_know_whether_their_queue_holds_prompts_no_drafter_pass_took():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=4)
+    engine = SpeculativeEngine(target, drafter)
+    first, second = prompts(2)
+    engine.submit(first[0], max_new_tokens=MAX_NEW)
+    engine.step()  # prefilled into an empty batch: the prompt's context stays queued
+    assert engine._rows.prompts_queued
+    engine.submit(second[0], max_new_tokens=MAX_NEW)
+    engine.step()  # a join moves both blocks' queues into the drafter's cache first
+    assert not engine._rows.prompts_queued
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -576,8 +605,8 @@ def test_planned_batched_sampling_matches_target_distribution(monkeypatch, kind)
     original_plan = RoundPlanning.plan
     choices: Counter = Counter()
 
-    def varied_plan(self, request_ids, requests, budgets, drafter_possible):
-        plan = original_plan(self, request_ids, requests, budgets, drafter_possible)
+    def varied_plan(self, request_ids, requests, budgets, drafter_possible, **kwargs):
+        plan = original_plan(self, request_ids, requests, budgets, drafter_possible, **kwargs)
         for row, request_id in enumerate(request_ids):
             kind = ("drafter", "none", "suffix")[request_id % 3]
             proposal = self.requests[request_id].proposal

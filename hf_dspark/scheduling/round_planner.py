@@ -198,9 +198,9 @@ class RoundPlanner:
         self.calibration = RoundCalibration()
         self._seconds_factor = 1.0  # this plan's calibration of priced seconds
 
-    def plan(self, options: list[RowOptions], drafter_possible: bool = True) -> RoundPlan:
+    def plan(self, options: list[RowOptions], drafter_possible: bool = True, probe_allowed: bool = True) -> RoundPlan:
         """The best round for these rows; `drafter_possible` False (e.g. a scheduler's plain round) leaves the
-        drafter out this round."""
+        drafter out this round, `probe_allowed` False runs it only where it is expected to pay."""
         rows = len(options)
         if not self.costs.knows_plain() or self.costs.plain_provisional(rows):
             # A plain step: the price every other round is relative to, until it was timed at this row count twice.
@@ -225,8 +225,8 @@ class RoundPlanner:
         if best.use_drafter or best_drafter is None:
             self._drafter_ran(best.use_drafter, won=True)
             return best
-        if self.rounds_without_drafter + 1 >= self.probe_interval and self._worth_probing(options, best_drafter.width,
-                                                                                          bar):
+        if probe_allowed and self.rounds_without_drafter + 1 >= self.probe_interval and self._worth_probing(
+                options, best_drafter.width, bar):
             # A probe costs a round that does not pay; while probes keep finding that, probe half as often.
             self._drafter_ran(True, won=False)
             return best_drafter

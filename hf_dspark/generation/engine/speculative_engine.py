@@ -372,7 +372,8 @@ class SpeculativeEngine:
         # Every round emits at least one token, so a row drafts at most (tokens left - 1).
         budgets = [max(0, min(self.gamma, q.max_new_tokens - q.emitted - 1)) for q in requests]
         plan = self.planning.plan(request_ids, requests, budgets,
-                                  drafter_possible=max(budgets) > 0 and self.rule.needs_drafts())
+                                  drafter_possible=max(budgets) > 0 and self.rule.needs_drafts(),
+                                  probe_allowed=not rows.prompts_queued)
         drafts, lengths, confidences = self._proposals(plan, rows, sampling)
         verification_started = self.planning.drafted()
         width = max(lengths) + 1

@@ -23,6 +23,7 @@ from .suffix import SuffixProposer
 _REQUEST_PRIOR_WEIGHT = 4.0
 _POOL_PRIOR, _POOL_PRIOR_WEIGHT = 0.5, 1.0
 _OPTIMISM_WEIGHT = 2.0
+_OPTIMISM_MEMORY = 8.0
 
 
 class RequestProposals:
@@ -75,6 +76,7 @@ class RoundPlanning:
         # it learns into, must not count twice), else the slot before it.
         self._slot_priors = self.remembered_pool.pooled_rates(_POOL_PRIOR, _POOL_PRIOR_WEIGHT)[:slots] \
             if any(self.remembered_pool.reached[:slots]) else None
+        self._remembered_reached = list(self.remembered_pool.reached[:slots])
         self.requests: dict[int, RequestProposals] = {}
         self._started = 0.0
         self._options: list[RowOptions] | None = None  # the latest plan's, uncalibrated
@@ -90,17 +92,18 @@ class RoundPlanning:
             self.requests[request_id] = RequestProposals(self.slots, self.suffix_acceptance)
         return self.requests[request_id]
 
-    def plan(self, request_ids: list[int], requests, budgets: list[int], drafter_possible: bool) -> RoundPlan:
-        """This round's plan (from earlier rounds and the rows' committed text only); starts the round's clock."""
+    def plan(self, request_ids: list[int], requests, budgets: list[int], drafter_possible: bool,
+             probe_allowed: bool = True) -> RoundPlan:
+        """This round's plan (from earlier rounds and the rows' committed text only); starts the round's clock.
+        `probe_allowed` False: the drafter runs only where it is expected to pay (its pass would catch up on whole
+        prompts)."""
         self._started = time.perf_counter()
         if not self.planning:
             drafting = drafter_possible and max(budgets) > 0
             return RoundPlan(drafting, [DRAFTER if drafting and b > 0 else NO_DRAFT for b in budgets],
                              list(budgets) if drafting else [0] * len(budgets))
         pooled = self.pool.pooled_rates(_POOL_PRIOR, _POOL_PRIOR_WEIGHT, self._slot_priors)
-        # Two pseudo-observations of acceptance per slot on top of what the batch measured: an upper estimate that
-        # stays high until probes have measured enough, then falls to the measured rates.
-        optimistic = self.pool.rates([1.0] * self.slots, _OPTIMISM_WEIGHT)
+        optimistic = self._optimistic_rates()
         options = []
         for request_id, request, budget in zip(request_ids, requests, budgets):
             own = self._proposals(request_id)
@@ -114,7 +117,20 @@ class RoundPlanning:
             left = request.max_new_tokens - request.emitted if self.finish_together else None
             options.append(RowOptions(budget, suffix, drafted, left, expected_tokens(optimistic, budget)))
         self._options = options  # as priced before calibration, which `record` measures against
-        return self.planner.plan(options, drafter_possible)
+        return self.planner.plan(options, drafter_possible, probe_allowed)
+
+    def _optimistic_rates(self) -> list[float]:
+        """An upper estimate of the drafter's acceptance per slot, what a probe could still find: two
+        pseudo-observations of acceptance on top of what this loop measured, which stays high until probes have
+        measured enough, and beside them at most `_OPTIMISM_MEMORY` of what earlier loops measured (a drafter known to
+        be poor is not probed where only a good one would pay, as at many rows on a CPU, but the two keep it probed
+        where a better one would)."""
+        rates = []
+        for slot, (accepted, reached) in enumerate(zip(self.pool.accepted, self.pool.reached)):
+            weight = min(self._remembered_reached[slot], _OPTIMISM_MEMORY)
+            known = self._slot_priors[slot] if self._slot_priors is not None else 1.0
+            rates.append((accepted + _OPTIMISM_WEIGHT + weight * known) / (reached + _OPTIMISM_WEIGHT + weight))
+        return rates
 
     def drafted(self) -> float:
         """The drafter's pass is done (its outcome read on the host): returns the time, the verification's start."""
