@@ -29,9 +29,9 @@ class ProposalStatistics:
 @dataclass
 class DraftingState:
     """What rounds learn and later calls start from: `statistics`, and the round costs measured on this machine
-    (`round_costs`: a `RoundCosts` per cost-table setting, in memory only). A `generate()` call or a `SpeculativeEngine` without a state of its
-    own learns into its drafter's own state for that target, device, dtype and thread count
-    (`call.remembered_state`); pass one to choose what calls share, at every batch size.
+    (`round_costs`: a `RoundCosts` per cost-table setting, in memory only). A `generate()` call or a
+    `SpeculativeEngine` without a state of its own learns into its drafter's own state for that target, device,
+    dtype and thread count (`call.remembered_state`); pass one to choose what calls share, at every batch size.
     `reset()` forgets everything, `save(path)` / `DraftingState.load(path)` keep `statistics` across processes
     (JSON)."""
 

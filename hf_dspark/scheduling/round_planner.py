@@ -28,10 +28,11 @@ prices stay the table's.
 
 The drafter's expected tokens per row come from what verification accepted (`SlotAcceptance`: per draft slot, the
 chance it is accepted when the slots before it were), kept per request on top of the batch's pooled rates (whose
-prior is what earlier loops of the drafter measured), so any drafter kind is priced by what it really achieves. A drafter that has not run for `probe_every` rounds runs once to
-refresh its estimate, verifying at most `probe_width` tokens per row (a probe is a round expected to lose), as long as
-its optimistic estimate (`RowOptions.drafter_optimistic`: what few measurements leave possible) could still win;
-each probe that does not win doubles the wait up to `max_probe_every`.
+prior is what earlier loops of the drafter measured), so any drafter kind is priced by what it really achieves. A
+drafter that has not run for `probe_every` rounds runs once to refresh its estimate, verifying at most `probe_width`
+tokens per row (a probe is a round expected to lose), as long as its optimistic estimate
+(`RowOptions.drafter_optimistic`: what few measurements leave possible) could still win; each probe that does not
+win doubles the wait up to `max_probe_every`.
 
 What the picked rounds delivered corrects what later ones are priced at (`RoundCalibration`, per band of row counts):
 each proposer's expected extra tokens are scaled by the share its proposals delivered, each round's seconds by how
@@ -274,9 +275,9 @@ class RoundPlanner:
             lengths.append(length)
             chosen.append(expected)
         if _finishing_together(options):
-            plain_value, value = 1.0, finishing_value([row.left for row in options], chosen)
+            value = finishing_value([row.left for row in options], chosen)
         else:
-            plain_value, value = float(len(options)), sum(expected[-1] for expected in chosen)
+            value = sum(expected[-1] for expected in chosen)
         used_width = max(lengths) + 1
         seconds = self.costs.forward_seconds(len(options), used_width)
         drafting = use_drafter and DRAFTER in sources

@@ -27,8 +27,11 @@ _LOCK = threading.Lock()
 _STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _claim(drafter, target) -> list | None:
-    """The drafter's own [state, in use] entry for `target`, marked in use; None when another holder has it."""
+def _claim(drafter, target, plan) -> list | None:
+    """The drafter's own [state, in use] entry for `target`, marked in use; None when `plan` has a state of its own
+    or another holder has the drafter's."""
+    if plan.settings.state_given:
+        return None
     key = (str(target.device), target.dtype, torch.get_num_threads())
     with _LOCK:
         per_target = _STATES.setdefault(drafter, weakref.WeakKeyDictionary())
@@ -52,7 +55,7 @@ def _with_state(plan, state):
 def remembered_state(drafter, target, plan):
     """`plan` with the drafter's own state for `target` while the call runs (the plan unchanged when the call gave
     a state of its own, or when another call holds that one)."""
-    held = None if plan.settings.state_given else _claim(drafter, target)
+    held = _claim(drafter, target, plan)
     if held is None:
         yield plan
         return
@@ -67,7 +70,7 @@ def hold_remembered_state(owner, drafter, target, plan):
     engine, like a call, starts from what earlier calls and engines measured on this machine (so each new engine
     does not spend its first rounds measuring the same forwards again) and leaves what it learns to later ones. The
     plan unchanged when it has a state of its own or another holder has the drafter's."""
-    held = None if plan.settings.state_given else _claim(drafter, target)
+    held = _claim(drafter, target, plan)
     if held is None:
         return plan
     weakref.finalize(owner, _release, held)

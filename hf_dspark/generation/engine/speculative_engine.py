@@ -171,7 +171,6 @@ class SpeculativeEngine:
         self._parked: dict[int, ParkedCache] = {}
         self._waiting: list[int] = []
         self._rows: BatchRows | None = None
-        self._draft_timed = True
         self._gate = EngineGate()  # other threads' submissions and cancellations
         self._reset_policy()
 
@@ -374,6 +373,9 @@ class SpeculativeEngine:
         plan = self.planning.plan(request_ids, requests, budgets,
                                   drafter_possible=max(budgets) > 0 and self.rule.needs_drafts(),
                                   probe_allowed=not rows.prompts_queued)
+        # A pass that catches up on more context than a round commits (the prompts of a batch that started
+        # together, or many plain rounds) costs what later rounds do not: not timed, as at batch 1.
+        draft_timed = rows.pending.shape[1] <= self.gamma + 1
         drafts, lengths, confidences = self._proposals(plan, rows, sampling)
         verification_started = self.planning.drafted()
         width = max(lengths) + 1
@@ -382,7 +384,7 @@ class SpeculativeEngine:
         values = torch.cat([num_accepted[:, None], new_tokens], dim=1).tolist()  # the round's second read
         accepted = [row[0] for row in values]
         commit_round(rows, num_accepted, accepted, width, features, positions, new_tokens)
-        self.planning.record(plan, request_ids, lengths, accepted, width, verification_started, self._draft_timed)
+        self.planning.record(plan, request_ids, lengths, accepted, width, verification_started, draft_timed)
 
         self.verified_tokens_per_round.append(sum(lengths) + len(rows))
         before = [request.emitted for request in requests]
@@ -398,9 +400,6 @@ class SpeculativeEngine:
         drafts), the suffix rows' proposals laid over them. Returns (drafts, verified lengths on the host, per row
         the confidences of its verified slots or None)."""
         num_rows, device = len(rows), rows.anchor.device
-        # A pass that catches up on more context than a round commits (the prompts of a batch that started
-        # together, or many plain rounds) costs what later rounds do not: not timed, as at batch 1.
-        self._draft_timed = rows.pending.shape[1] <= self.gamma + 1
         if plan.use_drafter:
             budgets = [length if source == DRAFTER else 0 for source, length in zip(plan.sources, plan.lengths)]
             drafts = self._draft_rows(self.drafter, rows, to_device(budgets, device), max(budgets), self.rule,
