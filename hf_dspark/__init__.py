@@ -18,7 +18,7 @@ from .generation.call.integration import install_generate_hooks
 from .models import *  # noqa: F401,F403  (the drafter API, `hf_dspark.models.__all__`, is the package's too)
 from .models import DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig, Eagle3DraftModel
 from .models.loading import shipped_drafter_path
-from .scheduling import DraftingState, DSparkScheduler, VerificationCostTable
+from .policy import DraftingState, DSparkScheduler, VerificationCostTable
 from .targets.default_target import default_target_dir, load_default_target
 
 AutoConfig.register(DSparkDraftConfig.model_type, DSparkDraftConfig, exist_ok=True)

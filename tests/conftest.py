@@ -108,8 +108,8 @@ def pytest_addoption(parser):
 def _skewed_drafter_costs(request, monkeypatch):
     factor = request.config.getoption("--drafter-cost-factor")
     if factor is not None and request.node.get_closest_marker("synthetic_timings") is None:
-        from hf_dspark.scheduling.round_costs import RoundCosts
-        recorded = RoundCosts.record_draft
-        monkeypatch.setattr(RoundCosts, "record_draft",
+        from hf_dspark.policy.costs import CostModel
+        recorded = CostModel.record_draft
+        monkeypatch.setattr(CostModel, "record_draft",
                             lambda self, rows, seconds: recorded(self, rows, seconds * factor))
     yield

@@ -1,4 +1,4 @@
-"""Dependencies run one way: models at the bottom, then targets (the default target and `load_target`), scheduling,
+"""Dependencies run one way: models at the bottom, then targets (the default target and `load_target`), policy,
 generation, evaluation (prompt sets, harness), training (which decontaminates against the evaluation sets), hub, the
 package itself, then the command line. Checked on the source (ast), so lazy imports inside functions count too, as do
 `importlib.import_module("hf_dspark....")` calls. No two modules import each other, directly or round a longer
@@ -159,7 +159,7 @@ def test_the_circle_finder_finds_circles_of_any_length():
 
 
 def test_models_import_nothing_above_them():
-    above = {"targets", "hub", "generation", "training", "evaluation", "cli", "scheduling", "hf_dspark"}
+    above = {"targets", "hub", "generation", "training", "evaluation", "cli", "policy", "hf_dspark"}
     offending = {}
     for path in (PACKAGE / "models").rglob("*.py"):
         bad = sorted(m for m in imported_modules(path) if layer(m) in above)
@@ -185,7 +185,7 @@ def test_there_are_no_package_level_cycles():
     cycles = [c for c in (cycle_from(n) for n in sorted(edges)) if c]
     assert cycles == [], " ; ".join(" -> ".join(c) for c in cycles)
     # The order the layers form (each imports only layers to its left):
-    order = ["_version", "models", "targets", "scheduling", "generation", "evaluation", "training", "hub", "hf_dspark",
+    order = ["_version", "models", "targets", "policy", "generation", "evaluation", "training", "hub", "hf_dspark",
              "cli", "__main__"]
     for source, targets in edges.items():
         for target in targets:
@@ -220,7 +220,7 @@ def test_the_core_imports_no_optional_dependency(optional):
         import sys
         sys.modules[{optional!r}] = None  # `import {optional}` now raises ImportError
         import hf_dspark, hf_dspark.cli.main, hf_dspark.hub.convert, hf_dspark.hub.push, hf_dspark.evaluation.harness
-        import hf_dspark.evaluation.report, hf_dspark.generation.engine.speculative_engine, hf_dspark.scheduling.simulation
+        import hf_dspark.evaluation.report, hf_dspark.generation.engine.speculative_engine, hf_dspark.evaluation.simulation
         hf_dspark.cli.main.build_parser()
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

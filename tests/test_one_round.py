@@ -1,5 +1,5 @@
 """One implementation of each step of a round: the batch-1 loop and the batched engine call the same functions to
-plan the round (the same planner, learning the same way), build the drafter's input block, draft, decide how many
+plan the round (the same policy, learning the same way), build the drafter's input block, draft, decide how many
 drafts to verify, verify, merge the accepted drafts with the target's token, stop, count what a stopping round
 emitted, and propose suffix matches."""
 
@@ -15,10 +15,11 @@ from hf_dspark.generation.engine import speculative_engine as batched
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.generation.one_prompt import loop as decoding
 from hf_dspark.generation.one_prompt import proposers as candidates
-from hf_dspark.generation.round import drafting, planning, stopping, suffix, verification
-from hf_dspark.generation.round.planning import RoundPlanning
-from hf_dspark.scheduling.round_planner import RoundPlanner, SuffixAcceptance
-from hf_dspark.scheduling.draft_length import DraftLengthRule
+from hf_dspark.generation.round import drafting, stopping, verification
+from hf_dspark.policy import planner, suffix
+from hf_dspark.policy.acceptance import SuffixAcceptance
+from hf_dspark.policy.planner import RoundPolicy
+from hf_dspark.policy.length_rule import DraftLengthRule
 
 # Each step: (the module that defines it, its name), and the modules of both loops that call it by that name.
 SHARED_STEPS = {
@@ -44,8 +45,7 @@ def _count_calls(monkeypatch, counts: dict, label: list[str]) -> None:
             assert getattr(module, name) is original, f"{module.__name__}.{name} is not {home.__name__}.{name}"
             monkeypatch.setattr(module, name, counted)
     for owner, method in ((stopping.HostStoppingRule, "first_stop"), (suffix.SuffixProposer, "propose"),
-                          (DraftLengthRule, "lengths"), (RoundPlanning, "plan"), (RoundPlanning, "record"),
-                          (RoundPlanner, "plan")):
+                          (DraftLengthRule, "lengths"), (RoundPolicy, "plan"), (RoundPolicy, "record")):
         original = getattr(owner, method)
 
         def counted_method(self, *args, _original=original, _name=method, **kwargs):
@@ -69,7 +69,7 @@ def test_batch_one_and_the_engine_run_the_same_steps(monkeypatch, kind):
     request = engine.submit(prompt[0], 10)
     assert torch.equal(engine.run_until_done()[request], single[0])
     steps = [*SHARED_STEPS, "HostStoppingRule.first_stop", "SuffixProposer.propose", "DraftLengthRule.lengths",
-             "RoundPlanning.plan", "RoundPlanning.record", "RoundPlanner.plan"]
+             "RoundPolicy.plan", "RoundPolicy.record"]
     for step in steps:
         assert counts["batch 1", step] > 0 and counts["engine", step] > 0, (step, dict(counts))
 
@@ -85,21 +85,21 @@ def test_both_loops_stop_with_one_rule():
     assert engine_requests.emit([request], [[7, 8, 4]], [2]) == [False] and request.emitted == 2
 
 
-def test_both_loops_make_their_round_planning_from_the_calls_plan(monkeypatch):
-    """One factory (`DraftingPlan.round_planning`) makes both loops' planning; the batch-1 loop has no planner of its
-    own, and its planning's suffix proposals are the suffix module's."""
+def test_both_loops_make_their_round_policy_from_the_calls_plan(monkeypatch):
+    """One factory (`DraftingPlan.round_policy`) makes both loops' policy; the batch-1 loop has no policy of its
+    own, and the policy's suffix proposals are the suffix module's."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "markov", block_size=4, suffix_drafting=True)
     made = []
-    original = RoundPlanning.__init__
+    original = RoundPolicy.__init__
 
     def recording(self, *args, **kwargs):
         made.append(self)
         original(self, *args, **kwargs)
 
-    assert planning.SuffixProposer is suffix.SuffixProposer
-    assert not hasattr(candidates, "RoundPlanner") and not hasattr(candidates, "SuffixProposer")
-    monkeypatch.setattr(RoundPlanning, "__init__", recording)
+    assert planner.SuffixProposer is suffix.SuffixProposer
+    assert not hasattr(candidates, "RoundPolicy") and not hasattr(candidates, "SuffixProposer")
+    monkeypatch.setattr(RoundPolicy, "__init__", recording)
     target.generate(prompts(1, length=5)[0], assistant_model=drafter, do_sample=False, max_new_tokens=6)
     engine = SpeculativeEngine(target, drafter)
     engine.submit(prompts(1, length=5)[0][0], 6)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..generation.round.stats import SpeculativeStats
-from ..scheduling.drafting_state import DraftingState
+from ..policy.state import DraftingState
 from .prompts import EvalPrompt, chat_input_ids, load_prompt_sets
 from .speed import PLAIN
 

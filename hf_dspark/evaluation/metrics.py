@@ -14,7 +14,7 @@ import math
 import torch
 
 from ..generation.round.stats import SpeculativeStats
-from ..scheduling.calibration import auroc, expected_calibration_error
+from .calibration import auroc, expected_calibration_error
 
 
 def _round(value: float, digits: int = 4) -> float | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation.round.stats import SpeculativeStats
-from ..scheduling.drafting_state import DraftingState
+from ..policy.state import DraftingState
 from .metrics import acceptance_summary
 from .prompts import chat_input_ids, load_prompt_sets
 

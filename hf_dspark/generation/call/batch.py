@@ -123,7 +123,6 @@ def batched_speculative_decoding(target, input_ids: torch.LongTensor, logits_pro
     # `drafter` is this call's own (`for_target`), already beside the target in its dtype: the engine's
     # attach_target(follow=True) finds nothing to move or cast, so the caller's drafter is never changed.
     engine = SpeculativeEngine(target, drafter, plan=plan)
-    engine.planning.finish_together = True  # the call returns when its last row is done
     request_ids = [engine.submit(input_ids[row, mask[row]], max_new_tokens, eos_token_id=eos, **sampling)
                    for row in range(input_ids.shape[0])]
     outputs = engine.run_until_done()
@@ -200,7 +199,7 @@ def batched_speculative_generate(
             ``"threshold"``: up to the first slot whose cumulative confidence c_1...c_j is below `policy_arg` (its
             own c_j with `threshold_rule="per_slot"`, DeepSpec's meaning);
             ``"scheduler"``: `policy_arg.select_lengths(confidences, max_lengths)` of a `DSparkScheduler`, over all
-            rows together (its `reset()` is called first). The last two need a confidence head (DSpark, not
+            rows together. The last two need a confidence head (DSpark, not
             DFlash). `policy` and `threshold_rule` are taken as given here, not from the drafter.
         draft_length: slots drafted per round; None: the drafter's `num_assistant_tokens` (every slot unless set).
         generator: random source for drafting and acceptance (sampling only).

@@ -12,7 +12,7 @@ from ..one_prompt.loop import decode_one_prompt
 from ..round.sampling import check_sampling_processors
 from .batch import batched_speculative_decoding
 from .plan import DraftingPlan
-from .remembered_state import remembered_state
+from ...policy.remembered import remembered_state
 from .request_checks import check_request
 
 

@@ -1,7 +1,7 @@
 """One plan per `generate()` call: the settings resolved once into what the batch-1 loop and the engine run.
 
 A `DraftingPlan` holds the checked settings, the verification policy and its draft-length rule, the stopping limits,
-and makes the round planner and the target runner. What rounds learn goes to the plan's `DraftingState`
+and makes a loop's cost model, round policy and target runner. What rounds learn goes to the plan's `DraftingState`
 (`settings.state`): the one the call was given, else, while the call runs, its drafter's own for the target
 (`remembered_state`), which later calls start from.
 """
@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from transformers import StoppingCriteriaList
 
 from ...models.errors import UserInputError
-from ...scheduling.draft_length import DraftLengthRule, resolve_verification_policy
+from ...policy.length_rule import DraftLengthRule, resolve_verification_policy
 from .settings import DraftingSettings
-from ..round.planning import RoundPlanning
+from ...policy.costs import CostModel
+from ...policy.planner import RoundPolicy
 from ..round.stopping import HostStoppingRule, StopLimits
 from ..one_prompt.target_runners import target_runner_for
 
@@ -44,7 +45,7 @@ class DraftingPlan:
         settings = DraftingSettings.resolve(drafter, call_settings)
         has_confidences = drafter_has_confidences(drafter)
         policy, policy_arg = resolve_verification_policy(
-            settings.verification_policy, has_confidence=has_confidences, cost_table=settings.cost_table,
+            settings.verification_policy, has_confidence=has_confidences,
             confidence_threshold=settings.assistant_confidence_threshold)
         if policy in CONFIDENCE_POLICIES and not has_confidences:
             # The same refusal at every batch size (a rule that reads confidences would otherwise verify every slot
@@ -68,18 +69,31 @@ class DraftingPlan:
         """Drafts per round (`num_assistant_tokens`, every slot when unset)."""
         return self.settings.num_assistant_tokens
 
-    def length_rule(self) -> DraftLengthRule:
-        return DraftLengthRule(self.policy, self.policy_arg, self.settings.confidence_threshold_rule)
+    def length_rule(self, costs: CostModel | None = None) -> DraftLengthRule:
+        """The rule after drafting; the admission rule (``"scheduler"`` without a scheduler of its own) prices
+        rounds with `costs`, the loop's cost model."""
+        return DraftLengthRule(self.policy, self.policy_arg, self.settings.confidence_threshold_rule, costs,
+                               self.state.confidence_shift)
 
-    def round_planning(self, slots: int, timed: bool = True) -> RoundPlanning:
-        """The round planning of a loop of any batch size drafting up to `slots` tokens per row, learning into the
-        call's state; its costs are learnt from timings only where they are `timed` (the batch-1 loop's phase
-        clock is off on accelerators, where rounds are not read back at every phase)."""
+    def cost_model(self, timed: bool = True) -> CostModel:
+        """The loop's cost model: the one the call's state keeps for this cost-table setting (what earlier loops
+        measured on this machine), else a new one kept there. Learnt from timings only where they are `timed` (the
+        batch-1 loop's phase clock is off on accelerators, where rounds are not read back at every phase)."""
         settings = self.settings
-        return RoundPlanning(slots, planning=settings.round_planning, suffix_drafting=settings.suffix_drafting,
-                             cost_table=settings.cost_table, learn_costs=settings.learn_round_costs and timed,
-                             suffix_acceptance=self.state.statistics.suffix,
-                             drafter_acceptance=self.state.statistics.drafter, memory=self.state.round_costs)
+        learn = settings.learn_round_costs and timed
+        key = ("round_costs", learn, id(settings.cost_table))
+        costs = self.state.round_costs.get(key)
+        if costs is None or costs.table is not settings.cost_table:
+            costs = self.state.round_costs[key] = CostModel(settings.cost_table, learn)
+        return costs
+
+    def round_policy(self, slots: int, costs: CostModel) -> RoundPolicy:
+        """The policy of a loop of any batch size drafting up to `slots` tokens per row, learning into the call's
+        state and `costs`."""
+        settings, statistics = self.settings, self.state.statistics
+        return RoundPolicy(slots, planning=settings.round_planning, costs=costs,
+                           suffix_acceptance=statistics.suffix if settings.round_planning and settings.suffix_drafting
+                           else None, drafter_acceptance=statistics.drafter, calibration=self.state.confidence_shift)
 
     def stop_rule(self) -> HostStoppingRule | None:
         return HostStoppingRule.from_limits(self.stop_limits)

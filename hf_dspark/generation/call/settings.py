@@ -35,9 +35,9 @@ from pathlib import Path
 from ...models.configuration_common import CONFIDENCE_THRESHOLD_RULES
 from ...models.drafting_config import CALL_ONLY_SETTINGS, DRAFTING_DEFAULTS, OWN_TABLE_FIX
 from ...models.errors import UserInputError
-from ...scheduling.cost_table import VerificationCostTable
-from ...scheduling.draft_length import POLICIES
-from ...scheduling.drafting_state import DraftingState
+from ...policy.cost_table import VerificationCostTable
+from ...policy.length_rule import POLICIES
+from ...policy.state import DraftingState
 
 SETTING_NAMES = tuple(DRAFTING_DEFAULTS) + CALL_ONLY_SETTINGS
 PASSED_SETTINGS_KEY = "hf_dspark_drafting_settings"

@@ -22,7 +22,7 @@ import torch
 from ...models.identity import EAGLE3_DRAFTER_TYPE, drafter_type
 from ...models.layers import DraftContextCache
 from ...models.modeling_eagle3 import Eagle3DraftModel
-from ...scheduling.draft_length import DraftLengthRule
+from ...policy.length_rule import DraftLengthRule
 from .rows import BatchRows
 from ..round.drafting import Drafts
 

@@ -4,7 +4,7 @@ without a drafter, plain continuous batching (every round verifies no drafts: on
 The rows' state (both caches with holes, explicit positions) is `rows.BatchRows`; the token choice per row
 is `sampling.RowSampling`; drafting is the one core of every batch size (`drafting.draft_block`) and the draft
 length the one rule (`DraftLengthRule`), as in the batch-1 loop. The passes over the rows are `passes`, the
-requests' bookkeeping `requests`, the round planning `planning`, transformers' cache internals
+requests' bookkeeping `requests`, the round's decision `policy.planner`, transformers' cache internals
 `transformers_internals`.
 
 * Target: one `DynamicCache` of width W for all rows and a (R, W) validity mask, from which `masks` makes each
@@ -35,16 +35,16 @@ from __future__ import annotations
 import torch
 
 from ...models.modeling_dspark import DSparkDraftModel
-from ...scheduling.draft_length import DraftLengthRule
+from ...policy.length_rule import DraftLengthRule
 from .rows import BatchRows, to_device
 from ..round.drafting import Drafts, draft_block, draft_input_block, emitted_drafts
 from ..round.verification import verify_drafts
-from ...scheduling.round_planner import DRAFTER
+from ...policy.planner import DRAFTER
 from ..call.plan import DraftingPlan
-from ..call.remembered_state import hold_remembered_state
+from ...policy.remembered import hold_remembered_state
 from .eagle3 import row_drafter_for
-from .checks import (check_drafter, check_left_padded, check_parking, check_resume, check_target, checked_prompt,
-                            engine_plan)
+from .checks import (check_drafter, check_eos, check_left_padded, check_parking, check_resume, check_target,
+                     checked_prompt, checked_sampling, engine_plan)
 from .requests import (BatchedOutput, EngineGate, EngineSnapshot, ParkedCache, Request, emit, eos_ids,
                               park_finished)
 from .passes import (commit_round, plain_step, prefill_grouped, prefill_resumed, project_context, read_lengths,
@@ -96,7 +96,7 @@ class SpeculativeEngine:
     Each request's output is distributed exactly as the target's own decoding of its prompt alone with its own
     settings (greedy: the same tokens), whatever else shares the batch and whenever it joined.
 
-    Each round is planned from earlier rounds (`round/planning.py`, `scheduling/round_planner.py`; the drafter's
+    Each round is planned from earlier rounds (`policy/planner.py`; the drafter's
     `generation_config.dspark_round_planning`): per request the drafter's block, a suffix match of its own text or a
     plain step, with the verification width that pays best at the costs this engine measured; a round in which no
     row drafts does not run the drafter.
@@ -113,7 +113,7 @@ class SpeculativeEngine:
         drafter: a `DSparkDraftModel` or `Eagle3DraftModel` trained for `target` (attached here), or None for plain
             continuous batching (each round emits one target token per row; `policy` must stay "all").
         policy, policy_arg: how many drafted slots each row verifies per round, as in
-            `batched_speculative_generate`. A stateful scheduler is `reset()` whenever the batch starts empty.
+            `batched_speculative_generate`.
         threshold_rule: what policy "threshold" compares: ``"cumulative"`` (c_1...c_j) or ``"per_slot"`` (c_j).
         draft_length: slots drafted per round, 1..`drafter.config.num_draft_slots`. Unset, these three come from
             the drafter's `generation_config`, resolved as `generate()` resolves them (`DraftingPlan.for_call`).
@@ -151,13 +151,14 @@ class SpeculativeEngine:
             if plan is None:
                 plan = hold_remembered_state(self, drafter, target, engine_plan(drafter, policy, policy_arg,
                                                                                  threshold_rule, draft_length))
-            self.rule = plan.length_rule()
+            costs = plan.cost_model()
+            self.rule = plan.length_rule(costs)
             self.gamma = self.rule.max_slots(plan.draft_length)
             drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
             self.layer_indices, self.feature_device = drafter.target_hidden_state_indices, drafter.device
         self.target, self.drafter, self.plan = target, drafter, plan
         self._draft_rows = row_drafter_for(drafter) or _draft  # this drafter kind's pass, for all rows at once
-        self.planning = plan.round_planning(self.gamma) if drafter is not None else None
+        self.round_policy = plan.round_policy(self.gamma, costs) if drafter is not None else None
         self.policy, self.policy_arg = (plan.policy, plan.policy_arg) if plan is not None else ("all", None)
         self.generator = generator
         self.device = target.device
@@ -172,7 +173,6 @@ class SpeculativeEngine:
         self._waiting: list[int] = []
         self._rows: BatchRows | None = None
         self._gate = EngineGate()  # other threads' submissions and cancellations
-        self._reset_policy()
 
     # -- public ---------------------------------------------------------------------------------------------------
 
@@ -192,8 +192,10 @@ class SpeculativeEngine:
         float tensor is refused, not truncated), one non-empty 1D prompt, every id inside the target's vocabulary,
         and the sampling settings. A refused request leaves the engine unchanged."""
         tokens = checked_prompt(input_ids, self._vocab_size).tolist()
-        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+        if isinstance(max_new_tokens, bool) or not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}.")
+        sampling = checked_sampling(do_sample, temperature, top_p, top_k)
+        check_eos(eos_token_id)
         if (generator is not None or keep_cache) and not self.plain:
             raise ValueError("generator= and keep_cache= are options of plain decoding (drafter=None); with a "
                              "drafter, sampled requests draw from the engine's generator.")
@@ -202,7 +204,6 @@ class SpeculativeEngine:
                              "no cache to park.")
         check_resume(tokens, resume, self.plain)
         check_parking(self.target, keep_cache, resume)
-        sampling = SamplingParams(bool(do_sample), float(temperature), float(top_p), int(top_k or 0))
         request = Request(tokens, max_new_tokens, sampling, eos_ids(self.target, eos_token_id), generator, resume,
                           keep_cache)
         return self._gate.post(request, self._requests, self.stats)
@@ -287,10 +288,6 @@ class SpeculativeEngine:
                 self._rows.select(keep)
         return self._pop_output(request_id)
 
-    def _reset_policy(self) -> None:
-        if self.rule is not None:
-            self.rule.reset()
-
     def _row_sampling(self, request_ids: list[int]) -> RowSampling:
         if self._sampling is None or self._sampling[0] != request_ids:
             requests = [self._requests[r] for r in request_ids]
@@ -301,8 +298,8 @@ class SpeculativeEngine:
     def _pop_output(self, request_id: int) -> torch.LongTensor:
         """The request's tokens, leaving the engine; its statistics go with them (`returned_stats`)."""
         request = self._requests.pop(request_id)
-        if self.planning is not None:
-            self.planning.forget(request_id)
+        if self.round_policy is not None:
+            self.round_policy.forget(request_id)
         self.returned_stats[request_id] = self.stats[request_id] if self.keep_stats else self.stats.pop(request_id)
         return torch.tensor(request.tokens, dtype=torch.long, device=self.device)
 
@@ -351,7 +348,6 @@ class SpeculativeEngine:
             self._rows.drop_unused_columns()  # columns of the newcomers' left padding
         else:
             self._rows = rows
-            self._reset_policy()  # a new batch: a stateful scheduler starts from its fallback
         return [r for r, d in zip(request_ids, done) if d]
 
     def _choose(self, request_ids: list[int], logits: torch.Tensor) -> torch.LongTensor:
@@ -370,21 +366,21 @@ class SpeculativeEngine:
         sampling = self._row_sampling(request_ids)
         # Every round emits at least one token, so a row drafts at most (tokens left - 1).
         budgets = [max(0, min(self.gamma, q.max_new_tokens - q.emitted - 1)) for q in requests]
-        plan = self.planning.plan(request_ids, requests, budgets,
-                                  drafter_possible=max(budgets) > 0 and self.rule.needs_drafts(),
-                                  probe_allowed=not rows.prompts_queued)
+        plan = self.round_policy.plan(request_ids, requests, budgets, drafter_possible=max(budgets) > 0,
+                                  explore=not rows.prompts_queued)
         # A pass that catches up on more context than a round commits (the prompts of a batch that started
         # together, or many plain rounds) costs what later rounds do not: not timed, as at batch 1.
         draft_timed = rows.pending.shape[1] <= self.gamma + 1
         drafts, lengths, confidences = self._proposals(plan, rows, sampling)
-        verification_started = self.planning.drafted()
+        verification_started = self.round_policy.drafted()
         width = max(lengths) + 1
         new_tokens, num_accepted, features, positions = verify_round(
             self.target, rows, drafts, width, self.layer_indices, sampling, self.generator, self.feature_device)
         values = torch.cat([num_accepted[:, None], new_tokens], dim=1).tolist()  # the round's second read
         accepted = [row[0] for row in values]
         commit_round(rows, num_accepted, accepted, width, features, positions, new_tokens)
-        self.planning.record(plan, request_ids, lengths, accepted, width, verification_started, draft_timed)
+        self.round_policy.record(plan, request_ids, lengths, accepted, width, verification_started, draft_timed,
+                                 confidences)
 
         self.verified_tokens_per_round.append(sum(lengths) + len(rows))
         before = [request.emitted for request in requests]
@@ -406,7 +402,7 @@ class SpeculativeEngine:
                                       sampling, self.generator)
         else:  # the context stays queued for the drafter's next pass
             drafts = Drafts.empty(num_rows, device)
-        suffix_rows = self.planning.suffix_rows(plan, rows.request_ids)
+        suffix_rows = self.round_policy.suffix_rows(plan, rows.request_ids)
         if suffix_rows:
             drafts = with_suffix_drafts(drafts, suffix_rows, num_rows, self.drafter.config.vocab_size,
                                         sampling.any_sampled, device)

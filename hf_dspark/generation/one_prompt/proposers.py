@@ -2,7 +2,7 @@
 
 Each round they take the target's hidden states at the drafter's layers for the positions committed since the
 last round (the accepted tokens), and propose the next round's drafts. The round is planned as in the batched engine,
-by the same `round.planning.RoundPlanning` at R = 1: from earlier rounds only, the drafter's block, a suffix match
+by the same `policy.planner.RoundPolicy` at R = 1: from earlier rounds only, the drafter's block, a suffix match
 over the text so far (`dspark_suffix_drafting`) or no draft at all (a plain decoding step), priced by what it is
 expected to emit per second; the drafter then runs only in the rounds that use it and catches up on the context rows
 it skipped in one pass. The user's logits processors are applied exactly once to each draft slot, with the same
@@ -24,7 +24,7 @@ from ...models.identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, drafter_
 from ...models.layers import DraftContextCache
 from ...models.modeling_dspark import DSparkDraftModel
 from ...models.modeling_eagle3 import Eagle3DraftModel
-from ...scheduling.round_planner import DRAFTER, NO_DRAFT, SUFFIX, RoundPlan
+from ...policy.planner import DRAFTER, NO_DRAFT, SUFFIX, RoundPlan
 from ..round.drafting import Drafts, draft_block, draft_input_block, one_hot_probs
 from ..engine.eagle3 import context_pass, draft_chain
 from ..call.plan import DraftingPlan
@@ -53,9 +53,9 @@ class DraftCandidateGenerator:
         self.stats = SpeculativeStats()
         self.clock = PhaseClock(drafter.device, plan.settings.time_phases)
         self._round_confidences: list[float] = []
-        self.rule = plan.length_rule()
-        self.planning = plan.round_planning(self.rule.max_slots(plan.draft_length), timed=self.clock.enabled)
-        self.planning.finish_together = True  # a generate() call: a round is worth the tokens it saves this call
+        costs = plan.cost_model(timed=self.clock.enabled)
+        self.rule = plan.length_rule(costs)
+        self.planning = plan.round_policy(self.rule.max_slots(plan.draft_length), costs)
         self.text = _OnePrompt(generation_config.max_length)
         self._round = RoundPlan(False, [NO_DRAFT], [0])
         self._verification_started = 0.0
@@ -70,8 +70,7 @@ class DraftCandidateGenerator:
         budget = min(self.plan.draft_length, self.max_length - input_ids.shape[1] - 1)
         self._round_confidences = []
         started = self.clock.now()
-        self._round = plan = self.planning.plan([0], [self.text], [max(budget, 0)],
-                                                drafter_possible=budget > 0 and self.rule.needs_drafts())
+        self._round = plan = self.planning.plan([0], [self.text], [max(budget, 0)], drafter_possible=budget > 0)
         self.clock.lap(self.stats, "planning", started)
         source, length = plan.sources[0], plan.lengths[0]
         if source == SUFFIX:
@@ -94,7 +93,7 @@ class DraftCandidateGenerator:
         timed from the plan to this read) and the round's statistics. `num_accepted` drafts were accepted and
         `emitted` of them kept before a stop."""
         self.planning.record(self._round, [0], [draft_length], [num_accepted], draft_length + 1,
-                             self._verification_started, self._draft_timed)
+                             self._verification_started, self._draft_timed, [self._round_confidences])
         self.stats.record(draft_length, emitted, self._round_confidences, self._round.sources[0])
 
     def extend_text(self, new_tokens: list[int], prompt: bool = False) -> None:

@@ -4,7 +4,7 @@ verification call of both loops.
 A round: the backbone's single pass gives every slot's hidden state and base logits; the sequential head then
 walks the gamma slots, each correcting its logits with the token drawn at the slot before, picking a token through
 the user's processors (`sampling`), and producing a confidence c_k. All slots are drafted, then
-`DraftLengthRule` (scheduling) decides on the device how many each row verifies, from c_1..c_k alone: lossless,
+`DraftLengthRule` (policy) decides on the device how many each row verifies, from c_1..c_k alone: lossless,
 and no slot waits for the host. Nothing here reads a tensor back to the host.
 """
 

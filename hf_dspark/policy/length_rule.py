@@ -1,15 +1,10 @@
-"""How many drafts a round verifies.
+"""How many drafts a round verifies after drafting: the `dspark_verification_policy` setting.
 
 `DraftLengthRule` is the one draft-length rule of every batch size (the batch-1 loop and the batched engine call
 it alike, on the device, after all slots are drafted): each row verifies its drafted slots up to a length decided
 from the conditional confidences c_1..c_k alone (never from the drafted tokens' verification), so the output
-distribution is untouched. With a cost table it is the DSpark scheduler's early stop (`DSparkScheduler`): slot
-positions are admitted while the expected throughput E(B) / cost(B) still rises, which at R = 1 reads
-
-    E(k) = 1 + S_1 + ... + S_k            (expected tokens of a round with k drafts; the 1 is the bonus token)
-    T(k) = E(k) / cost(k + 1)             (`padded_round_seconds`: verification may be padded to a cheaper size)
-
-with S_j = c_1 * ... * c_j the predicted survival of the first j drafts.
+distribution is untouched. The default, for a drafter with a confidence head, is the admission rule
+(`admission.DSparkScheduler`) priced by the loop's own cost model; the others are fixed rules a user may choose.
 """
 
 from __future__ import annotations
@@ -17,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..models.configuration_common import CONFIDENCE_THRESHOLD_RULES
-from .scheduler import DSparkScheduler
+from .admission import DSparkScheduler
+from .costs import CostModel
 
 POLICIES = ("all", "fixed", "threshold", "scheduler")
 
@@ -31,9 +27,12 @@ class DraftLengthRule:
             `policy_arg`), ``"scheduler"`` (`policy_arg`, a `DSparkScheduler`, over all rows together).
         policy_arg: see `policy`.
         threshold_rule: ``"cumulative"`` or ``"per_slot"`` (the `dspark_confidence_threshold_rule` setting).
+        costs, calibration: the `CostModel` and `ConfidenceShift` of ``"scheduler"`` without a scheduler of its own
+            (the loop's).
     """
 
-    def __init__(self, policy: str = "all", policy_arg=None, threshold_rule: str = "cumulative"):
+    def __init__(self, policy: str = "all", policy_arg=None, threshold_rule: str = "cumulative", costs=None,
+                 calibration=None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
         if policy == "fixed" and not (isinstance(policy_arg, int) and policy_arg >= 0):
@@ -42,8 +41,10 @@ class DraftLengthRule:
             raise ValueError(
                 f"policy 'threshold' takes a survival threshold >= 0 (above 1 verifies no drafts), got {policy_arg!r}."
             )
+        if policy == "scheduler" and policy_arg is None:  # the admission rule on the loop's own prices
+            policy_arg = DSparkScheduler(costs if costs is not None else CostModel(), calibration=calibration)
         if policy == "scheduler" and not hasattr(policy_arg, "select_lengths"):
-            raise ValueError("policy 'scheduler' takes a hf_dspark.scheduling.DSparkScheduler as policy_arg.")
+            raise ValueError("policy 'scheduler' takes a hf_dspark.DSparkScheduler as policy_arg.")
         if threshold_rule not in CONFIDENCE_THRESHOLD_RULES:
             raise ValueError(f"threshold_rule must be one of {CONFIDENCE_THRESHOLD_RULES}, got {threshold_rule!r}.")
         self.policy, self.policy_arg, self.threshold_rule = policy, policy_arg, threshold_rule
@@ -51,15 +52,6 @@ class DraftLengthRule:
     def max_slots(self, gamma: int) -> int:
         """Slots worth drafting at all."""
         return min(gamma, self.policy_arg) if self.policy == "fixed" else gamma
-
-    def needs_drafts(self) -> bool:
-        """False when the scheduler decided, from earlier rounds, that this round is a plain step."""
-        return self.policy != "scheduler" or self.policy_arg.needs_drafts()
-
-    def reset(self) -> None:
-        """A new batch: a stateful scheduler starts from its fallback."""
-        if hasattr(self.policy_arg, "reset"):
-            self.policy_arg.reset()
 
     def lengths(self, confidences: torch.Tensor | None, budget: torch.LongTensor) -> torch.LongTensor:
         """confidences (R, G) (None without a confidence head), budget (R,) slots drafted per row -> (R,)."""
@@ -74,22 +66,20 @@ class DraftLengthRule:
         return self.policy_arg.select_lengths(confidences, max_lengths=budget)
 
 
-def resolve_verification_policy(policy=None, *, has_confidence: bool, cost_table=None,
-                                confidence_threshold: float | None = None) -> tuple[str, object]:
+def resolve_verification_policy(policy=None, *, has_confidence: bool, confidence_threshold: float | None = None) -> tuple[str, object]:
     """`(policy, policy_arg)` of the `dspark_verification_policy` setting.
 
-    `None` (the default) derives it from the other settings, so one drafter behaves alike at every batch size: a
-    `DSparkScheduler(cost_table)` when a cost table is set and the drafter has a confidence head, else
-    `("threshold", confidence_threshold)` when a threshold is set (confidence head again), else `"all"`. Otherwise it
-    may be a policy name (`"all"`), a `(policy, policy_arg)` pair such as `("fixed", 2)` or `("threshold", 0.4)`, or
-    a scheduler object (anything with `select_lengths`).
+    `None` (the default) derives it from the other settings, so one drafter behaves alike at every batch size:
+    `("threshold", confidence_threshold)` when a threshold is set and the drafter has a confidence head, else the
+    admission rule (`("scheduler", None)`: a `DSparkScheduler` on the loop's own cost model, which a table given as
+    `dspark_cost_table` starts) when it has one, else `"all"`. Otherwise it may be a policy name (`"all"`,
+    `"scheduler"`), a `(policy, policy_arg)` pair such as `("fixed", 2)` or `("threshold", 0.4)`, or a scheduler
+    object (anything with `select_lengths`).
     """
     if policy is None:
-        if has_confidence and cost_table is not None:
-            return "scheduler", DSparkScheduler(cost_table)
         if has_confidence and confidence_threshold is not None:
             return "threshold", confidence_threshold
-        return "all", None
+        return ("scheduler", None) if has_confidence else ("all", None)
     if isinstance(policy, str):
         return policy, None
     if hasattr(policy, "select_lengths"):

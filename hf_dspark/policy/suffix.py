@@ -6,8 +6,8 @@ generated so far, the longest suffix of up to `max_ngram` tokens that occurred b
 `max_tokens` tokens that followed it, in O(max_ngram) per token and no model at all. A proposal is a draft with a
 one-hot draft distribution q, so the verifier's rule keeps the output exactly the target's.
 
-`hf_dspark.scheduling.round_planner.SuffixAcceptance` keeps, per match length, how often proposed tokens were
-accepted, which prices a proposal against the drafter's block and a plain step (`RoundPlanner`).
+`acceptance.SuffixAcceptance` keeps, per match length, how often proposed tokens were accepted, which prices a
+proposal against the drafter's block and a plain step (`planner.RoundPolicy`).
 """
 
 from __future__ import annotations
@@ -69,9 +69,6 @@ class SuffixProposer:
         if proposal:
             self._watched.append((len(self.index.tokens), proposal, match))
         return proposal, match
-
-    def expected_tokens(self, match_length: int, num_tokens: int) -> float:
-        return self.acceptance.expected_tokens(match_length, num_tokens)
 
     def extend(self, new_tokens) -> None:
         """Append `new_tokens` to the text and score the proposals whose outcome they settle."""

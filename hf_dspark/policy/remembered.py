@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from ...scheduling.drafting_state import DraftingState
+from .state import DraftingState
 
 _LOCK = threading.Lock()
 # drafter -> target -> (device, dtype, threads) -> [state, in use]

@@ -6,8 +6,7 @@ rounds of R concurrent requests: each round draws every request's per-slot condi
 c[r, j] from a `ConfidenceModel`, lets the policy pick how many slots each request verifies, draws acceptance
 (slot j survives with probability c[r, j] once its prefix did: the confidences are calibrated by construction),
 and charges the round `draft_seconds(R) + verify_seconds(B)` with B the tokens verified. Plain decoding is the
-policy that verifies no drafts and pays no drafting; so is a round in which a ``two_steps_ago`` scheduler already
-knows its budget is 0.
+policy that verifies no drafts and pays no drafting.
 
 Throughput is tokens per second over all requests (aggregate); per-user speed is that divided by R (every request
 is running all the time). Both come from the same simulated rounds, so policies are compared on equal draws.
@@ -21,9 +20,8 @@ from typing import Callable
 
 import torch
 
-from .cost_table import VerificationCostTable
-from .draft_length import DraftLengthRule
-from .scheduler import DSparkScheduler
+from ..policy.cost_table import VerificationCostTable
+from ..policy.length_rule import DraftLengthRule
 
 POLICIES = ("plain", "all", "fixed", "threshold", "scheduler")
 
@@ -101,22 +99,20 @@ def simulate_policy(policy: str, policy_arg, *, requests: int, rounds: int, conf
                     seed: int = 0) -> PolicyResult:
     """`rounds` rounds of `requests` always-busy requests under one policy (same seed: same confidence draws)."""
     generator = torch.Generator().manual_seed(seed)
-    if isinstance(policy_arg, DSparkScheduler):
-        policy_arg.reset()
     gamma = confidence_model.gamma
     tokens, seconds, verified = 0, 0.0, 0
     for _ in range(rounds):
         confidences = confidence_model.sample(requests, generator)
         accepted = torch.rand(requests, gamma, generator=generator) < confidences
-        drafts = policy != "plain" and (policy != "scheduler" or policy_arg.needs_drafts())
-        lengths = policy_lengths(policy if drafts else "plain", policy_arg, confidences)
+        drafts = policy != "plain"
+        lengths = policy_lengths(policy, policy_arg, confidences)
         in_prefix = torch.arange(gamma).expand(requests, -1) < lengths[:, None]
         survived = (accepted & in_prefix).long().cumprod(dim=-1).sum(dim=-1)
         tokens += int(survived.sum()) + requests  # accepted drafts plus one target token each
         verified += int(lengths.sum())
         batch = int(lengths.sum()) + requests
         seconds += costs.seconds[batch - 1] if batch <= costs.max_tokens else costs.round_seconds(batch)
-        if drafts:  # a two_steps_ago scheduler skips drafting when its budget is known to be 0
+        if drafts:
             seconds += draft_seconds(requests, gamma)
     return PolicyResult(policy, requests, rounds, tokens, seconds, verified / (rounds * requests))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.drafting_config import cost_table_problem
+from ..models.drafting_config import MAX_TABLE_SECONDS, MIN_TABLE_SECONDS, cost_table_problem
 from ..models.errors import UserInputError
 from ..models.json_files import SMALL_JSON_BYTES, read_json
 
@@ -40,11 +40,14 @@ class VerificationCostTable:
     description: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if not self.seconds or not all(_is_time(s) and s > 0 for s in self.seconds):
-            raise ValueError("a cost table needs a positive, finite time for every token count from 1 up; "
-                             f"got {list(self.seconds)[:8]}. Profile it again (`hf-dspark profile`).")
-        if not (_is_time(self.draft_seconds) and self.draft_seconds >= 0):
-            raise ValueError(f"draft_seconds must be a finite time >= 0, got {self.draft_seconds!r}.")
+        if not self.seconds or not all(_is_time(s) and MIN_TABLE_SECONDS <= s <= MAX_TABLE_SECONDS
+                                       for s in self.seconds):
+            raise ValueError(f"a cost table needs a time from {MIN_TABLE_SECONDS} to {MAX_TABLE_SECONDS} seconds for "
+                             f"every token count from 1 up; got {list(self.seconds)[:8]}. Profile it again "
+                             "(`hf-dspark profile`).")
+        if not (_is_time(self.draft_seconds) and 0 <= self.draft_seconds <= MAX_TABLE_SECONDS):
+            raise ValueError(f"draft_seconds must be a time from 0 to {MAX_TABLE_SECONDS} seconds, got "
+                             f"{self.draft_seconds!r}.")
 
     @property
     def max_tokens(self) -> int:

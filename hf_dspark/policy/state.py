@@ -10,10 +10,13 @@ from pathlib import Path
 from ..models.config_checks import is_finite_number
 from ..models.errors import UserInputError
 from ..models.json_files import read_json
-from .round_planner import SlotAcceptance, SuffixAcceptance
+from .acceptance import ConfidenceShift, SlotAcceptance, SuffixAcceptance
 
-# Per slot and round: the drafter's remembered acceptance weighs about the last fifty rows' rounds.
+# Per slot and round: the drafter's acceptance weighs about the last fifty rounds that reached the slot, long
+# enough for a posterior that rarely asks for a round that does not pay, short enough to follow a new workload.
 DRAFTER_MEMORY_DECAY = 0.98
+# Decayed counts never exceed 1 / (1 - decay); a saved count beyond this is not one this code wrote.
+_MAX_COUNT = 1e6
 
 @dataclass
 class ProposalStatistics:
@@ -29,18 +32,21 @@ class ProposalStatistics:
 @dataclass
 class DraftingState:
     """What rounds learn and later calls start from: `statistics`, and the round costs measured on this machine
-    (`round_costs`: a `RoundCosts` per cost-table setting, in memory only). A `generate()` call or a
+    (`round_costs`: a `policy.costs.CostModel` per cost-table setting) and how the drafter's confidences read here
+    (`confidence_shift`), both in memory only. A `generate()` call or a
     `SpeculativeEngine` without a state of its own learns into its drafter's own state for that target, device,
-    dtype and thread count (`call.remembered_state`); pass one to choose what calls share, at every batch size.
+    dtype and thread count (`policy.remembered`); pass one to choose what calls share, at every batch size.
     `reset()` forgets everything, `save(path)` / `DraftingState.load(path)` keep `statistics` across processes
     (JSON)."""
 
     statistics: ProposalStatistics = field(default_factory=ProposalStatistics)
     round_costs: dict = field(default_factory=dict, compare=False, repr=False)
+    confidence_shift: ConfidenceShift = field(default_factory=ConfidenceShift, compare=False, repr=False)
 
     def reset(self) -> None:
         self.statistics = ProposalStatistics()
         self.round_costs = {}
+        self.confidence_shift = ConfidenceShift()
 
     def to_dict(self) -> dict:
         return asdict(self.statistics)
@@ -78,12 +84,15 @@ def _checked_statistics(saved, source: str) -> ProposalStatistics:
     suffix = _checked_fields(saved.pop("suffix", {}), SuffixAcceptance, "suffix.", source)
     check, defaults = _StateCheck(source), SuffixAcceptance()
     for name in ("prior_accepted", "prior_rejected"):
-        suffix[name] = check.number(suffix, f"suffix.{name}", 0.0, default=getattr(defaults, name))
+        suffix[name] = check.number(suffix, f"suffix.{name}", 0.0, high=_MAX_COUNT, default=getattr(defaults, name))
     prior = suffix["prior_accepted"] + suffix["prior_rejected"]
     check.require(prior > 0, "suffix.prior_accepted + suffix.prior_rejected", prior, "> 0")
     suffix["decay"] = check.number(suffix, "suffix.decay", 0.0, high=1.0, default=defaults.decay)
     for name in ("accepted", "reached"):
-        suffix[name] = check.counts(suffix, f"suffix.{name}", 0, lambda v, n: check.value(v, n, 0.0))
+        suffix[name] = check.counts(suffix, f"suffix.{name}", 0, lambda v, n: check.value(v, n, 0.0, _MAX_COUNT))
+    for match, accepted in suffix["accepted"].items():
+        check.require(accepted <= suffix["reached"].get(match, 0.0), f"suffix.accepted[{match}]", accepted,
+                      f"<= suffix.reached[{match}]")
     return ProposalStatistics(suffix=SuffixAcceptance(**suffix),
                               drafter=_checked_drafter(saved.pop("drafter", {}), check, source))
 
@@ -98,7 +107,7 @@ def _checked_drafter(saved, check: "_StateCheck", source: str) -> SlotAcceptance
         values = drafter.get(name, [])
         check.require(isinstance(values, list) and len(values) <= 4096, f"drafter.{name}", values,
                       "a list of at most 4096 counts")
-        counts[name] = [check.value(v, f"drafter.{name}[{i}]", 0.0) for i, v in enumerate(values)]
+        counts[name] = [check.value(v, f"drafter.{name}[{i}]", 0.0, _MAX_COUNT) for i, v in enumerate(values)]
     check.require(len(counts["accepted"]) == len(counts["reached"]), "drafter.accepted", drafter.get("accepted"),
                   "a list as long as drafter.reached")
     for slot, (accepted, reached) in enumerate(zip(counts["accepted"], counts["reached"])):

@@ -1,0 +1,295 @@
+"""Issue 41 (2): the verification policy where drafting pays, on this CPU, and in a GPU-shaped simulation.
+
+    python benchmarks/policy_regimes.py --output benchmarks/policy-regimes/results.json
+    python benchmarks/policy_regimes.py --simulate-only --output benchmarks/policy-regimes/simulation.json
+    python benchmarks/policy_regimes.py --rows 1,4 --acceptances 0.7 --forms independent --repeats 1 \
+        --max-new-tokens 16 --output /tmp/regimes.json                                      # a smoke run
+
+The shipped drafters alone rarely pay on this CPU, so an acceptance oracle (`oracle.AcceptanceOracle`) on the
+embedded SmolLM2 target forces what verification accepts, in three forms: `independent` (each proposed token
+accepted with probability A), `confidence` (accepted with probability sigmoid(2 (logit c - m) + logit A) of the
+drafter's own confidence c for that slot, m the mean logit of its confidences: the head's ranking says which drafts
+survive, on average A) and `miscalibrated` (the same with slope 0.5: the head's spread is twice the truth's). Each
+cell (form, A, R) runs R held-out chat prompts (the mix of `batched_user_path.py`) through `target.generate` with
+every method, interleaved (the order rotated each repeat), best of `--repeats` tokens/s per method, the spread of the
+repeats recorded:
+
+* `plain`: plain batched `generate` (a plain step has nothing to force: the target's own decoding);
+* `all`, `fixed-k`, `threshold`: fixed policies (`dspark_round_planning=False`, `dspark_verification_policy=`
+  "all", ("fixed", k), ("threshold", 0.5)): the drafter's block every round, no suffix proposals;
+* `defaults`: `generate(..., assistant_model=drafter)` as a user calls it (the policy decides), its state kept
+  from cell to cell of one form and acceptance (a workload, served at several batch sizes).
+
+Per cell: defaults / the best other method in hindsight, and defaults / plain. `--simulate` adds the same cells on
+a GPU-shaped cost curve (`evaluation.simulation.gpu_like_costs`): the policy's own classes, prices learnt from the
+simulated seconds, acceptance drawn as above with confidences from a Beta model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from oracle import AcceptanceOracle  # noqa: E402
+from serving_common import (add_prompt_arguments, chat_text, command_line, draw_sequences, environment, fmt,  # noqa
+                            git_state, load_models, md_table, prompt_pools, write_report)
+
+FORMS = ("independent", "confidence", "miscalibrated")
+SLOPES = {"confidence": 2.0, "miscalibrated": 0.5}
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--drafter", default="dspark")
+parser.add_argument("--rows", default="1,4,16,64")
+parser.add_argument("--acceptances", default="0.5,0.7,0.9")
+parser.add_argument("--forms", default="independent,confidence")
+parser.add_argument("--fixed", default="1,2,3,4,5,6,7", help="the k of the fixed methods")
+parser.add_argument("--max-new-tokens", type=int, default=48)
+parser.add_argument("--repeats", type=int, default=3)
+parser.add_argument("--threads", type=int, default=2)
+parser.add_argument("--simulate", action="store_true", help="also the GPU-shaped simulation of the same cells")
+parser.add_argument("--simulate-only", action="store_true")
+parser.add_argument("--simulated-rounds", type=int, default=400)
+parser.add_argument("--output", default="benchmarks/policy-regimes/results.json")
+add_prompt_arguments(parser)
+args = parser.parse_args()
+rows_list = [int(r) for r in args.rows.split(",")]
+acceptances = [float(a) for a in args.acceptances.split(",")]
+forms = args.forms.split(",")
+if not set(forms) <= set(FORMS):
+    raise SystemExit(f"--forms takes {', '.join(FORMS)}")
+METHODS = ["plain", "all", *[f"fixed-{k}" for k in args.fixed.split(",")], "threshold", "defaults"]
+output = Path(args.output)
+
+
+def method_settings(method: str) -> dict | None:
+    """generate()'s keyword arguments for `method` (None: plain, no drafter)."""
+    if method == "plain":
+        return None
+    if method == "defaults":
+        return {}
+    fixed = dict(dspark_round_planning=False)
+    if method == "all":
+        return {**fixed, "dspark_verification_policy": "all"}
+    if method == "threshold":
+        return {**fixed, "dspark_verification_policy": ("threshold", 0.5)}
+    return {**fixed, "dspark_verification_policy": ("fixed", int(method.split("-")[1]))}
+
+
+def confidence_map(form: str, acceptance: float, mean_logit: float):
+    if form == "independent":
+        return None
+    slope, level = SLOPES[form], math.log(acceptance / (1 - acceptance))
+    return lambda c: torch.sigmoid(slope * (torch.logit(c.clamp(1e-4, 1 - 1e-4)) - mean_logit) + level)
+
+
+def wire_stash(oracle_ref: list) -> None:
+    """Hand each drafting pass's confidences to the current oracle (both loops' drafting passes)."""
+    from hf_dspark.generation.engine import speculative_engine
+    from hf_dspark.generation.one_prompt import proposers
+
+    engine_draft = speculative_engine._draft
+
+    def stashing_draft(*a, **k):
+        drafts = engine_draft(*a, **k)
+        if oracle_ref[0] is not None:
+            oracle_ref[0].stash(drafts.confidences)
+        return drafts
+
+    speculative_engine._draft = stashing_draft
+    one_draft = proposers.DSparkCandidateGenerator._draft
+
+    def stashing_one(self, *a, **k):
+        drafts = one_draft(self, *a, **k)
+        if oracle_ref[0] is not None:
+            oracle_ref[0].stash(drafts.confidences)
+        return drafts
+
+    proposers.DSparkCandidateGenerator._draft = stashing_one
+
+
+def mean_confidence_logit(target, drafter, encodings) -> float:
+    """The mean logit of the drafter's confidences on these prompts (every slot drafted, nothing forced)."""
+    seen = []
+    for enc in encodings[:2]:
+        target.generate(**enc, assistant_model=drafter, max_new_tokens=16, do_sample=False,
+                        dspark_round_planning=False, dspark_verification_policy="all")
+        for stats in (drafter.last_generation_stats if isinstance(drafter.last_generation_stats, list)
+                      else [drafter.last_generation_stats]):
+            seen += [c for round_ in stats.confidences for c in round_]
+    logits = [math.log(min(max(c, 1e-4), 1 - 1e-4) / (1 - min(max(c, 1e-4), 1 - 1e-4))) for c in seen]
+    return sum(logits) / max(len(logits), 1)
+
+
+def run_cells(results: dict) -> None:
+    import hf_dspark
+
+    target, tokenizer, drafter = load_models(args.drafter, args.threads)
+    pools = prompt_pools(args, tokenizer)
+    (sequence,) = draw_sequences(pools, 1, max(rows_list), args.seed)
+    texts = [chat_text(tokenizer, p.text) for p in sequence]
+    encodings = {r: tokenizer(texts[:r], return_tensors="pt", padding=True) for r in rows_list}
+    oracle_ref = [None]
+    wire_stash(oracle_ref)
+    mean_logit = mean_confidence_logit(target, drafter, [encodings[min(rows_list)]])
+    results["mean_confidence_logit"] = mean_logit
+    cells = results.setdefault("cells", {})
+    todo = [(f, a, r) for f in forms for a in acceptances for r in rows_list if f"{f}/{a}/{r}" not in cells]
+    states = {}
+    for form, acceptance, rows in tqdm(todo, desc="cells"):
+        enc = encodings[rows]
+        state = states.setdefault((form, acceptance), hf_dspark.DraftingState())
+        times = {m: [] for m in METHODS}
+        tokens = {m: [] for m in METHODS}
+        sources = {}
+        for repeat in range(args.repeats + 1):  # the first pass is a warm-up, untimed
+            order = METHODS[repeat % len(METHODS):] + METHODS[: repeat % len(METHODS)]
+            for method in order:
+                settings = method_settings(method)
+                call = {} if settings is None else {"assistant_model": drafter, **settings}
+                if method == "defaults":
+                    call["dspark_state"] = state
+                with AcceptanceOracle(target, acceptance, seed=repeat,
+                                      confidence_map=confidence_map(form, acceptance, mean_logit)) as oracle:
+                    oracle_ref[0] = oracle
+                    started = time.perf_counter()
+                    out = target.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False, **call)
+                    seconds = time.perf_counter() - started
+                    oracle_ref[0] = None
+                new = out[:, enc["input_ids"].shape[1]:]
+                emitted = int((new != tokenizer.pad_token_id).sum())
+                if repeat:
+                    times[method].append(seconds)
+                    tokens[method].append(emitted)
+                if method == "defaults" and repeat:
+                    stats = drafter.last_generation_stats
+                    for s in stats if isinstance(stats, list) else [stats]:
+                        for source in s.sources:
+                            sources[source] = sources.get(source, 0) + 1
+        rates = {m: [t / s for t, s in zip(tokens[m], times[m])] for m in METHODS}
+        best = {m: max(v) for m, v in rates.items()}
+        others = {m: v for m, v in best.items() if m != "defaults"}
+        hindsight = max(others, key=others.get)
+        cells[f"{form}/{acceptance}/{rows}"] = {
+            "form": form, "acceptance": acceptance, "rows": rows, "tokens_per_second": rates,
+            "best": best, "best_other": hindsight, "defaults_vs_best_other": best["defaults"] / others[hindsight],
+            "defaults_vs_plain": best["defaults"] / best["plain"],
+            "spread": {m: (max(v) - min(v)) / max(v) for m, v in rates.items()}, "defaults_sources": sources}
+        write_report(output, results, report_lines(results))
+
+
+def simulate_cells(results: dict) -> None:
+    """The same cells on a GPU-shaped curve, the policy's own classes at work (see the module)."""
+    from hf_dspark.evaluation.simulation import gpu_like_costs
+    from hf_dspark.policy import planner as planner_module
+    from hf_dspark.policy.acceptance import ConfidenceShift, SlotAcceptance
+    from hf_dspark.policy.costs import CostModel
+    from hf_dspark.policy.length_rule import DraftLengthRule, resolve_verification_policy
+
+    table, draft_seconds = gpu_like_costs()
+    gamma = 7
+    cells = results.setdefault("simulation", {})
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+    clock = Clock()
+    planner_module.time = clock
+    for form in forms:
+        for acceptance in acceptances:
+            for rows in rows_list:
+                rates = {}
+                for method in METHODS:
+                    generator = torch.Generator().manual_seed(rows)
+                    settings = method_settings(method)
+                    costs, shift = CostModel(), ConfidenceShift()
+                    planning = settings is not None and settings.get("dspark_round_planning", True)
+                    policy = planner_module.RoundPolicy(gamma, planning=planning, costs=costs,
+                                                        drafter_acceptance=SlotAcceptance.empty(gamma),
+                                                        calibration=shift)
+                    name, arg = resolve_verification_policy(
+                        None if settings is None else settings.get("dspark_verification_policy"),
+                        has_confidence=True)
+                    rule = DraftLengthRule(name, arg, costs=costs, calibration=shift)
+                    mapping = confidence_map(form, acceptance, 0.0)
+                    tokens, started = 0, clock.now
+                    for _ in range(args.simulated_rounds):
+                        if settings is None:
+                            clock.now += table.round_seconds(rows) - table.draft_seconds
+                            tokens += rows
+                            continue
+                        texts = [type("T", (), {"tokens": []})() for _ in range(rows)]
+                        plan = policy.plan(list(range(rows)), texts, [gamma] * rows)
+                        budget = torch.tensor(plan.lengths)
+                        # The head's confidences: logit-normal around 0 (a spread like a real head's).
+                        confidences = torch.sigmoid(torch.randn(rows, gamma, generator=generator) * 1.5)
+                        lengths = rule.lengths(confidences, budget) if plan.use_drafter else budget
+                        if plan.use_drafter:
+                            clock.now += draft_seconds(rows, gamma)
+                        verify_started = clock.now
+                        width = int(lengths.max()) + 1
+                        clock.now += table.round_seconds(rows * width) - table.draft_seconds
+                        chance = mapping(confidences) if mapping is not None else torch.full_like(confidences,
+                                                                                                   acceptance)
+                        hits = torch.rand(rows, gamma, generator=generator) < chance
+                        in_prefix = torch.arange(gamma)[None, :] < lengths[:, None]
+                        accepted = (hits & in_prefix).long().cumprod(1).sum(1)
+                        tokens += int(accepted.sum()) + rows
+                        verified = [confidences[r, : int(lengths[r])].tolist() for r in range(rows)]
+                        policy.record(plan, list(range(rows)), lengths.tolist(), accepted.tolist(), width,
+                                      verify_started, True, verified)
+                    rates[method] = tokens / (clock.now - started)
+                others = {m: v for m, v in rates.items() if m != "defaults"}
+                hindsight = max(others, key=others.get)
+                cells[f"{form}/{acceptance}/{rows}"] = {
+                    "form": form, "acceptance": acceptance, "rows": rows, "tokens_per_second": rates,
+                    "best_other": hindsight, "defaults_vs_best_other": rates["defaults"] / others[hindsight],
+                    "defaults_vs_plain": rates["defaults"] / rates["plain"]}
+    write_report(output, results, report_lines(results))
+
+
+def report_lines(results: dict) -> list[str]:
+    lines = ["# Policy regimes: the defaults against the best fixed policy in hindsight", "",
+             f"`{results['command']}`", ""]
+    for key, title in (("cells", "SmolLM2-135M on this CPU, acceptance oracle (tokens/s, best of the repeats)"),
+                       ("simulation", "GPU-shaped simulation (tokens per simulated second)")):
+        cells = results.get(key)
+        if not cells:
+            continue
+        lines += [f"## {title}", ""]
+        header = ["form", "A", "R", "defaults", "best other", "defaults / best other", "defaults / plain"]
+        if key == "cells":
+            header += ["spread (defaults)", "defaults' rounds"]
+        body = []
+        for cell in cells.values():
+            rate = cell.get("best", cell["tokens_per_second"])
+            row = [cell["form"], cell["acceptance"], cell["rows"], fmt(rate["defaults"], 1),
+                   f"{cell['best_other']} {fmt(rate[cell['best_other']], 1)}",
+                   fmt(cell["defaults_vs_best_other"]) + "x", fmt(cell["defaults_vs_plain"]) + "x"]
+            if key == "cells":
+                row += [f"{100 * cell['spread']['defaults']:.0f} %",
+                        ", ".join(f"{n} {s}" for s, n in sorted(cell["defaults_sources"].items()))]
+            body.append(row)
+        lines += md_table(header, body) + [""]
+    return lines
+
+
+results = {"command": command_line(), "git": git_state(), "environment": environment(args.threads),
+           "settings": {**vars(args), "methods": METHODS}}
+if output.exists():  # resume: cells already measured are kept
+    import json
+    results.update({k: v for k, v in json.loads(output.read_text()).items() if k in ("cells", "simulation")})
+if not args.simulate_only:
+    run_cells(results)
+if args.simulate or args.simulate_only:
+    simulate_cells(results)
+print("\n".join(report_lines(results)))

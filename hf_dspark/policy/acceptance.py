@@ -1,0 +1,151 @@
+"""How often proposals are accepted: one Beta posterior per proposer and slot, from decayed counts.
+
+A slot's conditional acceptance (the chance that draft j is accepted when the drafts before it were) is estimated
+from what verification accepted, over a Beta prior. The policy reads the posterior two ways: its mean (what a round
+is expected to emit) and a draw from it (Thompson sampling), so that a proposer whose estimate rests on few rounds
+is tried now and then in proportion to the chance that it is better than it looks, and a proposer measured often
+is not. Draws come from the policy's own random stream, which never sees a round's drafts: whatever is verified,
+the verifier keeps the output the target's.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+# A slot nothing is known about is an even chance, worth one observation (the drafter is tried early, and one
+# round that disagrees moves the estimate most of the way).
+PRIOR_RATE, PRIOR_WEIGHT = 0.5, 1.0
+
+
+def _beta_draw(rng: random.Random, accepted: float, rejected: float) -> float:
+    return rng.betavariate(max(accepted, 1e-6), max(rejected, 1e-6))
+
+
+@dataclass
+class SlotAcceptance:
+    """Decayed counts, per draft slot j, of rounds that reached slot j (its drafts before it accepted) and of those
+    that accepted it. `decay` forgets old rounds: a workload changes, and the posterior must be able to follow."""
+
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    decay: float = 0.98
+
+    @classmethod
+    def empty(cls, slots: int, decay: float = 0.98) -> "SlotAcceptance":
+        return cls([0.0] * slots, [0.0] * slots, decay)
+
+    def cover(self, slots: int) -> None:
+        """Count at least `slots` slots (a later loop may draft more than earlier ones did)."""
+        missing = slots - len(self.reached)
+        if missing > 0:
+            self.reached.extend([0.0] * missing)
+            self.accepted.extend([0.0] * missing)
+
+    def record(self, verified: int, accepted: int) -> None:
+        """A round verified `verified` drafts and accepted the first `accepted` of them."""
+        self.cover(verified)
+        for slot in range(min(accepted + 1, verified)):
+            self.reached[slot] = self.decay * self.reached[slot] + 1.0
+            self.accepted[slot] = self.decay * self.accepted[slot] + (1.0 if slot < accepted else 0.0)
+
+    def _posterior(self, slots: int, prior: list[float] | None):
+        self.cover(slots)
+        for slot in range(slots):
+            rate = prior[slot] if prior is not None and slot < len(prior) else PRIOR_RATE
+            accepted = self.accepted[slot] + PRIOR_WEIGHT * rate
+            yield accepted, self.reached[slot] + PRIOR_WEIGHT - accepted
+
+    def means(self, slots: int, prior: list[float] | None = None) -> list[float]:
+        """Posterior mean rates of the first `slots` slots; `prior` per slot (else an even chance)."""
+        return [a / (a + r) for a, r in self._posterior(slots, prior)]
+
+    def draws(self, slots: int, rng: random.Random, prior: list[float] | None = None) -> list[float]:
+        """One Thompson draw of the first `slots` slots' rates."""
+        return [_beta_draw(rng, a, r) for a, r in self._posterior(slots, prior)]
+
+
+@dataclass
+class SuffixAcceptance:
+    """Decayed accepted / reached counts of proposed suffix tokens per match length (how many tokens of the text
+    matched before the proposal), over a Beta(`prior_accepted`, `prior_rejected`) start: text that repeats itself
+    is a habit of the workload, so what later calls start from."""
+
+    prior_accepted: float = 1.0
+    prior_rejected: float = 3.0
+    decay: float = 0.9
+    accepted: dict[int, float] = field(default_factory=dict)
+    reached: dict[int, float] = field(default_factory=dict)
+
+    def _posterior(self, match_length: int) -> tuple[float, float]:
+        accepted = self.accepted.get(match_length, 0.0) + self.prior_accepted
+        reached = self.reached.get(match_length, 0.0) + self.prior_accepted + self.prior_rejected
+        return accepted, reached - accepted
+
+    def rate(self, match_length: int) -> float:
+        accepted, rejected = self._posterior(match_length)
+        return accepted / (accepted + rejected)
+
+    def draw(self, match_length: int, rng: random.Random) -> float:
+        return _beta_draw(rng, *self._posterior(match_length))
+
+    def record(self, match_length: int, proposed: int, accepted: int) -> None:
+        """A proposal of `proposed` tokens after a match of `match_length` had its first `accepted` accepted."""
+        reached = min(accepted + 1, proposed)  # the first rejected token was reached too
+        self.accepted[match_length] = self.decay * self.accepted.get(match_length, 0.0) + accepted
+        self.reached[match_length] = self.decay * self.reached.get(match_length, 0.0) + reached
+
+
+# How far one verified draft moves its slot's shift: a step of the log-loss gradient, so that about the last fifty
+# drafts verified at a slot set it (as the drafter's remembered acceptance does), and one draft moves it little.
+CALIBRATION_STEP = 0.05
+_EPSILON = 1e-4
+
+
+def _logit(probability: float) -> float:
+    probability = min(max(probability, _EPSILON), 1.0 - _EPSILON)
+    return math.log(probability / (1.0 - probability))
+
+
+@dataclass
+class ConfidenceShift:
+    """The drafter's confidences as this target and this workload accept them: per slot j a shift d_j in logit
+    space (an online Platt intercept), so that sigmoid(logit(c_j) + d_j) tracks what verification accepts.
+
+    A confidence head learns the acceptance of the target and data it was trained on; served elsewhere (another
+    task, a fine-tuned target, the acceptance oracle of the benchmarks) its confidences can sit far from what is
+    accepted, and the admission rule after drafting would verify too little or too much. Each verified draft that was
+    reached moves its slot's shift by `CALIBRATION_STEP` times the log-loss gradient (accepted minus predicted). The
+    ranking within a slot is the head's own; only its level follows what is measured. Lossless as the rule is: the
+    shift depends on earlier rounds only."""
+
+    shift: list[float] = field(default_factory=list)
+
+    def record(self, confidences: list[float], accepted: int) -> None:
+        """A row's verified slots' confidences and how many of its drafts were accepted."""
+        if len(self.shift) < len(confidences):
+            self.shift.extend([0.0] * (len(confidences) - len(self.shift)))
+        for slot, confidence in enumerate(confidences[: accepted + 1]):  # the slots verification reached
+            predicted = 1.0 / (1.0 + math.exp(-(_logit(confidence) + self.shift[slot])))
+            self.shift[slot] += CALIBRATION_STEP * ((1.0 if slot < accepted else 0.0) - predicted)
+
+    def apply(self, confidences: torch.Tensor) -> torch.Tensor:
+        """(R, G) confidences as calibrated, on their device."""
+        slots = confidences.shape[-1]
+        shift = (self.shift + [0.0] * slots)[:slots]
+        if not any(shift):
+            return confidences
+        logits = torch.logit(confidences.float().clamp(_EPSILON, 1.0 - _EPSILON))
+        return torch.sigmoid(logits + torch.tensor(shift, device=confidences.device))
+
+
+def survivals(rates: list[float]) -> list[float]:
+    """S_j = c_1 * ... * c_j: the chance that the first j proposed tokens are all accepted."""
+    result, survival = [], 1.0
+    for rate in rates:
+        survival *= rate
+        result.append(survival)
+    return result

@@ -1,0 +1,177 @@
+"""The round's decision before drafting, one implementation for every batch size (the batch-1 loop runs it at
+R = 1): per row, what it proposes this round (the drafter's block, a suffix match over its own text, or nothing),
+how wide the round verifies, and whether the drafter runs at all, by the admission rule (`admission`) on estimated
+survivals and this machine's prices (`costs.CostModel`).
+
+Each row's proposers are estimated by `acceptance`: the drafter's slots by a Thompson draw from their posterior
+(what the drafter achieves is learnt only from the rounds that verify its drafts, so a drafter measured seldom is
+tried in proportion to the chance that it pays), a suffix proposal by its posterior mean (every proposal is scored
+against the text that followed it, verified or not). At each width W, each row takes its better proposer; the round
+with the drafter pays its pass, the round without it does not, and the rule admits widths for both while the
+expected tokens per second rise. The better of the two rounds is the plan; a width of 1 without the drafter is a
+plain step.
+
+Lossless: every choice depends on earlier rounds, the rows' committed text and the policy's own random stream, never
+on this round's drafts; the verifier keeps every row's output exactly the target's.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .suffix import SuffixProposer
+from .acceptance import ConfidenceShift, SlotAcceptance, SuffixAcceptance, survivals
+from .admission import admitted_width
+from .costs import CostModel
+
+DRAFTER, SUFFIX, NO_DRAFT = "drafter", "suffix", "none"
+
+
+@dataclass
+class RoundPlan:
+    """Whether the drafter runs, and per row its proposer and how many tokens it verifies at most (the drafter's
+    rows may verify fewer: the admission rule reads their confidences after drafting)."""
+
+    use_drafter: bool
+    sources: list[str]
+    lengths: list[int]
+    expected_rate: float = 0.0  # expected tokens per second, as priced
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths, default=0) + 1
+
+
+class _Request:
+    """One request's suffix proposer over its text (prompt and output) and this round's proposal."""
+
+    def __init__(self, acceptance: SuffixAcceptance | None):
+        self.suffix = SuffixProposer(acceptance) if acceptance is not None else None
+        self.seen = 0
+        self.proposal: list[int] = []
+        self.match = 0
+
+    def propose(self, tokens: list[int], budget: int) -> None:
+        self.proposal, self.match = [], 0
+        if self.suffix is not None and budget > 0:
+            if len(tokens) > self.seen:
+                self.suffix.extend(tokens[self.seen :])
+                self.seen = len(tokens)
+            self.proposal, self.match = self.suffix.propose(budget)
+
+
+class RoundPolicy:
+    """A loop's policy: `plan` before each round, `record` after it (see the module).
+
+    Args:
+        slots: the most tokens a row proposes in a round.
+        planning: False drafts every row's whole budget every round (`dspark_round_planning=False`).
+        suffix_acceptance: what suffix proposals achieve (None: no suffix drafting).
+        drafter_acceptance: what the drafter's slots achieve, learnt into (a `DraftingState`'s, so later calls
+            start from it).
+        costs: the `CostModel` prices come from, learnt into.
+        seed: the random stream of the Thompson draws.
+        calibration: the `ConfidenceShift` the admission rule after drafting reads the confidences through, learnt
+            into from the verified drafts' confidences.
+    """
+
+    def __init__(self, slots: int, *, planning: bool, costs: CostModel,
+                 suffix_acceptance: SuffixAcceptance | None = None, drafter_acceptance: SlotAcceptance | None = None,
+                 drafter: bool = True, seed: int = 0, calibration: ConfidenceShift | None = None):
+        self.slots, self.planning, self.costs, self.drafter = slots, planning, costs, drafter
+        self.suffix_acceptance = suffix_acceptance
+        self.acceptance = drafter_acceptance if drafter_acceptance is not None else SlotAcceptance.empty(slots)
+        self.acceptance.cover(slots)
+        self.rng = random.Random(seed)
+        self.calibration = calibration
+        self.requests: dict[int, _Request] = {}
+        self._started = 0.0
+
+    def forget(self, request_id: int) -> None:
+        self.requests.pop(request_id, None)
+
+    def plan(self, request_ids: list[int], requests, budgets: list[int], drafter_possible: bool = True,
+             explore: bool = True) -> RoundPlan:
+        """This round's plan; starts the round's clock. `explore` False prices the drafter by its posterior mean
+        instead of a draw (its pass would catch up on whole prompts: a round to try it in costs more than most)."""
+        self._started = time.perf_counter()
+        rows = len(budgets)
+        if not self.planning:
+            drafting = drafter_possible and self.drafter and max(budgets, default=0) > 0
+            return RoundPlan(drafting, [DRAFTER if drafting and b > 0 else NO_DRAFT for b in budgets],
+                             list(budgets) if drafting else [0] * rows)
+        widest = max(budgets, default=0)
+        suffix = torch.zeros(rows, widest)
+        for row, (request_id, request, budget) in enumerate(zip(request_ids, requests, budgets)):
+            own = self.requests.setdefault(request_id, _Request(self.suffix_acceptance))
+            own.propose(request.tokens, budget)
+            if own.proposal:
+                rate = self.suffix_acceptance.rate(own.match)
+                suffix[row, : len(own.proposal)] = torch.tensor(survivals([rate] * len(own.proposal)))
+        prices = torch.tensor(self.costs.forward_prices(rows, widest + 1), dtype=torch.float64)
+        width = int(admitted_width(suffix, prices)) if widest else 1
+        best = self._plan(suffix, budgets, width, None, prices[width - 1].item())
+        if drafter_possible and self.drafter and widest:
+            rates = self.acceptance.draws(widest, self.rng) if explore else self.acceptance.means(widest)
+            drafted = torch.tensor(survivals(rates)).expand(rows, -1).clone()
+            drafted[torch.arange(widest)[None, :] >= torch.tensor(budgets)[:, None]] = 0.0
+            better = torch.maximum(suffix.cumsum(1), drafted.cumsum(1))  # each row's better proposer, per width
+            either = torch.diff(better, dim=1, prepend=better.new_zeros(rows, 1))
+            draft_seconds = self.costs.draft_seconds(rows)
+            width = int(admitted_width(either, prices + draft_seconds))
+            if width > 1:
+                candidate = self._plan(suffix, budgets, width, drafted, prices[width - 1].item() + draft_seconds)
+                if candidate.expected_rate > best.expected_rate:
+                    best = candidate
+        return best
+
+    def _plan(self, suffix, budgets, width, drafted, seconds: float) -> RoundPlan:
+        """Each row's proposer at `width` (the drafter's where it expects more, with `drafted`), priced."""
+        sources, lengths, expected = [], [], 0.0
+        for row, budget in enumerate(budgets):
+            suffix_tokens = float(suffix[row, : width - 1].sum())
+            drafter_tokens = float(drafted[row, : width - 1].sum()) if drafted is not None else -1.0
+            if drafter_tokens > suffix_tokens and drafter_tokens > 0:
+                sources.append(DRAFTER)
+                lengths.append(min(width - 1, budget))
+                expected += 1.0 + drafter_tokens
+            elif suffix_tokens > 0:
+                sources.append(SUFFIX)
+                lengths.append(min(width - 1, int((suffix[row] > 0).sum())))
+                expected += 1.0 + suffix_tokens
+            else:
+                sources.append(NO_DRAFT)
+                lengths.append(0)
+                expected += 1.0
+        use_drafter = DRAFTER in sources
+        return RoundPlan(use_drafter, sources, lengths, expected / seconds)
+
+    def drafted(self) -> float:
+        """The drafter's pass is done (its outcome read on the host): returns the time, the verification's start."""
+        return time.perf_counter()
+
+    def record(self, plan: RoundPlan, request_ids: list[int], lengths: list[int], accepted: list[int],
+               width: int, verification_started: float, draft_timed: bool = True,
+               confidences: list[list[float] | None] | None = None) -> None:
+        """The round's outcome (host values): the drafter rows' acceptance (and their verified slots' confidences,
+        where the drafter has a head) and the passes' seconds (the drafter's only when `draft_timed`: a pass that
+        also caught up on a whole prompt costs what later rounds do not)."""
+        finished = time.perf_counter()
+        rows = len(request_ids)
+        if plan.use_drafter and draft_timed:
+            self.costs.record_draft(rows, verification_started - self._started)
+        self.costs.record_forward(rows, width, finished - verification_started)
+        for row, (source, length, count) in enumerate(zip(plan.sources, lengths, accepted)):
+            if source == DRAFTER and length > 0:
+                self.acceptance.record(length, count)
+                if self.calibration is not None and confidences is not None and confidences[row]:
+                    self.calibration.record(list(confidences[row])[:length], count)
+
+    def suffix_rows(self, plan: RoundPlan, request_ids: list[int]) -> dict[int, list[int]]:
+        """Row -> the tokens its suffix proposal verifies this round."""
+        return {row: self.requests[request_id].proposal[: plan.lengths[row]]
+                for row, (request_id, source) in enumerate(zip(request_ids, plan.sources)) if source == SUFFIX}
