@@ -22,7 +22,7 @@ aggregate tokens/s (all new tokens / (last finish - first arrival)), latency, ta
 request's output against its own plain greedy output decoded alone. Written after every rate: `--output` JSON, a
 .md beside it and a Pareto plot (`.png`: per-user against aggregate, one line per method across the rates).
 
-Beside it, a "GPU-shaped" simulation from `hf_dspark.scheduling.simulation` (its `simulate_policy`,
+Beside it, a "GPU-shaped" simulation from `hf_dspark.evaluation.simulation` (its `simulate_policy`,
 `ConfidenceModel`, `gpu_like_costs`): the same four methods, on a GPU-like cost curve. `simulate_policy` models R
 always-busy requests (closed loop, fixed R), not arrivals, so that part sweeps R instead of the arrival rate (see
 the .md). The confidence model's per-slot means are the conditional acceptance by slot measured here by
@@ -82,7 +82,7 @@ output = Path(args.output)
 
 target, tokenizer, drafter = load_models(args.drafter, args.threads)
 if args.default_cost_table:
-    from hf_dspark.scheduling import VerificationCostTable
+    from hf_dspark.policy import VerificationCostTable
 
     drafter.generation_config.dspark_cost_table = VerificationCostTable.load(args.default_cost_table)
 pools = prompt_pools(args, tokenizer)
@@ -208,9 +208,9 @@ def measured_means(gamma: int) -> tuple[str, list[float]] | None:
 
 
 def simulation() -> dict:
-    """The same methods on a GPU-shaped cost curve (`hf_dspark.scheduling.simulation`), R always-busy requests."""
+    """The same methods on a GPU-shaped cost curve (`hf_dspark.evaluation.simulation`), R always-busy requests."""
     from hf_dspark import DSparkScheduler, VerificationCostTable
-    from hf_dspark.scheduling.simulation import ConfidenceModel, expected_tau, gpu_like_costs, simulate_policy
+    from hf_dspark.evaluation.simulation import ConfidenceModel, expected_tau, gpu_like_costs, simulate_policy
 
     gamma = drafter.config.num_draft_slots
     models = {"paper-like": PAPER_MEANS[:gamma] + PAPER_MEANS[-1:] * (gamma - len(PAPER_MEANS))}
@@ -350,7 +350,7 @@ def report() -> None:
                        "error"], table)
     sim = results.get("simulation")
     if sim:
-        lines += ["", "## GPU-shaped simulation (`hf_dspark.scheduling.simulation`)", "",
+        lines += ["", "## GPU-shaped simulation (`hf_dspark.evaluation.simulation`)", "",
                   "`simulate_policy` replays rounds of R always-busy requests (a closed loop at fixed R): it has no "
                   "arrival process, no request lengths and no queueing, so it cannot replay the Poisson arrivals "
                   "above. The same methods are swept over R instead (per-user = aggregate / R). Cost curve: "

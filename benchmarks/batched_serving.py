@@ -12,7 +12,7 @@ earlier ("scheduler-2ago", which skips drafting in rounds whose budget is alread
 Reported: aggregate tokens/s, mean per-request tokens/s (a request's tokens over the time it finished), the mean
 drafts verified per request per round, tau, and the identity check.
 
-Simulated part (`hf_dspark.scheduling.simulation`): the same policies on a GPU-shaped curve (a forward costs the
+Simulated part (`hf_dspark.evaluation.simulation`): the same policies on a GPU-shaped curve (a forward costs the
 same up to ~256 tokens, then grows linearly; drafting costs 15% of a forward over R * gamma tokens) with a
 calibrated confidence model giving tau ~4.8 when all 7 drafts are verified, for R = 1 .. 256; per-user speed
 against aggregate throughput, i.e. the Pareto frontier of each policy.
@@ -29,8 +29,9 @@ import hf_dspark
 from hf_dspark.evaluation.prompts import chat_input_ids, load_prompt_sets
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.models.loading import shipped_drafter_path
-from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable, profile_verification_costs
-from hf_dspark.scheduling.simulation import ConfidenceModel, expected_tau, gpu_like_costs, simulate_policy
+from hf_dspark.evaluation.profiling import profile_verification_costs
+from hf_dspark.policy import DSparkScheduler, VerificationCostTable
+from hf_dspark.evaluation.simulation import ConfidenceModel, expected_tau, gpu_like_costs, simulate_policy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--output", default="benchmarks/results-batched")

@@ -85,7 +85,8 @@ results = {
 def cost_tables() -> dict[int, object]:
     """One table per R, all made before any timing: read from --cost-table, or profiled and saved beside the
     results (cost-table-R{R}.json, reusable with --cost-table DIR/cost-table-R{rows}.json)."""
-    from hf_dspark.scheduling import VerificationCostTable, profile_verification_costs
+    from hf_dspark.evaluation.profiling import profile_verification_costs
+    from hf_dspark.policy import VerificationCostTable
 
     tables = {}
     for rows in rows_list:

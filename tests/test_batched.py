@@ -10,7 +10,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 import hf_dspark.generation.engine.speculative_engine as batched
 import hf_dspark.generation.engine.passes as engine_rounds
 from hf_dspark.generation import batched_speculative_generate
-from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
+from hf_dspark.policy import DSparkScheduler, VerificationCostTable
 from conftest import VOCAB, prompts, tiny_drafter, tiny_target
 from lossless_checks import assert_three_tokens_match
 from test_sampling_lossless import TINY_VOCAB, chi_square, critical_value, exact_three_token_distribution
@@ -288,22 +288,19 @@ def test_engine_mixes_sampling_settings_and_limits():
     assert engine.num_waiting == engine.num_running == 0 and engine.run_until_done() == {}
 
 
-def test_engine_takes_its_policy_explicitly_and_resets_the_scheduler():
+def test_engine_takes_its_policy_explicitly():
     """The engine reads no drafting setting off the drafter: the policy is what its caller passes."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "markov", block_size=4)
-    scheduler = DSparkScheduler(VerificationCostTable([1.0 + 0.15 * i for i in range(40)]), mode="two_steps_ago")
-    for _ in range(2):  # history left over from an earlier generation
-        scheduler.select_lengths(torch.ones(1, 4))
+    scheduler = DSparkScheduler(VerificationCostTable([1.0 + 0.15 * i for i in range(40)]))
     engine = batched.SpeculativeEngine(target, drafter, "scheduler", scheduler)
-    assert engine.policy == "scheduler" and engine.policy_arg is scheduler and len(scheduler._history) == 0
+    assert engine.policy == "scheduler" and engine.policy_arg is scheduler and engine.rule.policy_arg is scheduler
     prompt_list = prompts(3)
     for prompt in prompt_list:
         engine.submit(prompt[0], MAX_NEW)
     outputs = engine.run_until_done()
     for index, expected in enumerate(plain_greedy(target, prompt_list)):
         assert torch.equal(outputs[index], expected)
-    assert len(engine.verified_tokens_per_round) > 2  # the stored-confidence rounds ran
 
 
 def test_engine_releases_each_request_statistics_with_its_output():
@@ -331,30 +328,6 @@ def test_engine_releases_each_request_statistics_with_its_output():
     kept = [keeping.submit(prompt[0], MAX_NEW) for prompt in prompt_list]
     keeping.run_until_done()
     assert set(keeping.stats) == set(kept)
-
-
-def test_two_steps_ago_skips_drafting_while_the_known_budget_is_zero():
-    """Verification so costly that no draft pays: once two rounds of confidences say so, rounds are plain steps
-    without a drafting pass (every `probe_every`-th still drafts), and each row is still its own plain greedy."""
-    target = tiny_target("llama")
-    drafter = tiny_drafter(target, "markov", block_size=4)
-    costly = DSparkScheduler(VerificationCostTable([1.0 + 10.0 * i for i in range(40)]), mode="two_steps_ago",
-                             probe_every=4)
-    drafting_passes = []
-    drafter.register_forward_hook(
-        lambda module, args, kwargs, out: drafting_passes.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
-    drafter.generation_config.dspark_round_planning = False  # the scheduler alone decides which rounds draft
-    prompt_list = prompts(3)
-    ids, mask = left_pad(prompt_list)
-    out = batched_speculative_generate(target, drafter, ids, mask, max_new_tokens=MAX_NEW, policy="scheduler",
-                                       policy_arg=costly)
-    assert_rows_equal(out, plain_greedy(target, prompt_list))
-    rounds = len(out.verified_tokens_per_round)
-    blocks = drafting_passes.count(drafter.config.block_size)
-    assert rounds > 6
-    assert 2 <= blocks < rounds  # the first two rounds draft (no history yet), then mostly not
-    assert blocks >= 2 + (rounds - 2) // 4  # probing rounds keep the confidences current
-    assert all(total == 3 for total in out.verified_tokens_per_round[2:])  # no draft verified: one token per row
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -594,13 +567,16 @@ def test_the_drafter_does_not_run_in_rounds_where_no_row_drafts():
     out = batched_speculative_generate(target, drafter, ids, mask, max_new_tokens=2)
     assert_rows_equal(out, [target.generate(p, do_sample=False, max_new_tokens=2)[0] for p in prompt_list])
     assert calls == [] and all(s.draft_lengths == [0] for s in out.stats)
-    # Rounds the scheduler makes plain steps (drafting never pays at this table), with a probe every 3rd: the
-    # context queued over the idle rounds reaches the drafter in the probe's one pass, and the output is exact.
-    costly = VerificationCostTable([float(size) for size in range(1, 40)], draft_seconds=0.5)
-    scheduler = DSparkScheduler(costly, mode="two_steps_ago", probe_every=3)
+    # Prices at which the drafter pays only if it is accepted well over half the time: a drafter never measured is
+    # tried in some rounds (its posterior allows it) and not in others; the context queued over the idle rounds
+    # reaches it in its next pass, and the output is exact.
+    from test_policy import priced
+    engine = batched.SpeculativeEngine(target, drafter)
+    engine.round_policy.costs = priced(lambda r, w: 1.0 + 0.1 * (w - 1), draft=0.2)  # 0.6 s at three rows
     calls.clear()
-    out = batched_speculative_generate(target, drafter, ids, mask, max_new_tokens=MAX_NEW, policy="scheduler",
-                                       policy_arg=scheduler)
-    assert_rows_equal(out, [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW)[0] for p in prompt_list])
-    rounds = len(out.verified_tokens_per_round)
-    assert 0 < len(calls) < rounds / 2, (len(calls), rounds)
+    requests = [engine.submit(p[0], MAX_NEW) for p in prompt_list]
+    outputs = engine.run_until_done()
+    for request, p in zip(requests, prompt_list):
+        assert torch.equal(outputs[request], target.generate(p, do_sample=False, max_new_tokens=MAX_NEW)[0])
+    rounds = len(engine.verified_tokens_per_round)
+    assert 0 < len(calls) < rounds, (len(calls), rounds)

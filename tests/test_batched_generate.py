@@ -8,7 +8,7 @@ from transformers import RepetitionPenaltyLogitsProcessor, StoppingCriteria, Sto
 from transformers.generation.streamers import BaseStreamer
 
 from hf_dspark.generation import DraftingPlan
-from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
+from hf_dspark.policy import DSparkScheduler, VerificationCostTable
 from conftest import prompts, tiny_drafter, tiny_target
 from test_batched import left_pad
 
@@ -111,9 +111,12 @@ def test_verification_policy_is_honoured():
     assert sum(run(("threshold", 1.5)).draft_lengths) == 0  # no survival reaches 1.5
     assert max(run(("fixed", 1)).draft_lengths) == 1
     assert max(run("all").draft_lengths) == 4
-    scheduler = DSparkScheduler(VerificationCostTable([1.0 + 0.15 * i for i in range(40)]), mode="two_steps_ago")
+    scheduler = DSparkScheduler(VerificationCostTable([1.0 + 0.15 * i for i in range(40)]))
+    calls = []
+    original = scheduler.select_lengths
+    scheduler.select_lengths = lambda *a, **k: calls.append(1) or original(*a, **k)
     stats = run(scheduler)
-    assert stats.num_rounds > 0 and len(scheduler._history) == 2  # the engine called it every round
+    assert calls and max(stats.draft_lengths) < 4  # the engine called it, and it verified less than every slot
 
 
 def test_default_policy_follows_the_batch_one_attributes():
@@ -121,13 +124,15 @@ def test_default_policy_follows_the_batch_one_attributes():
     drafter = tiny_drafter(target, "markov", block_size=4)
     settings = drafter.generation_config
     plan = DraftingPlan.for_call(drafter)
-    assert (plan.policy, plan.policy_arg) == ("all", None)
-    settings.assistant_confidence_threshold = 0.4
-    plan = DraftingPlan.for_call(drafter)
-    assert (plan.policy, plan.policy_arg) == ("threshold", 0.4)
+    # A confidence head: the admission rule on the loop's own cost model (a table, when set, its starting prices).
+    assert (plan.policy, plan.policy_arg) == ("scheduler", None)
     settings.dspark_cost_table = VerificationCostTable([1.0, 1.2, 1.4])
     plan = DraftingPlan.for_call(drafter)
-    assert plan.policy == "scheduler" and plan.policy_arg.cost_table is settings.dspark_cost_table
+    rule = plan.length_rule(plan.cost_model())
+    assert rule.policy_arg.costs.table is settings.dspark_cost_table
+    settings.assistant_confidence_threshold = 0.4  # a threshold the user set is the rule
+    plan = DraftingPlan.for_call(drafter)
+    assert (plan.policy, plan.policy_arg) == ("threshold", 0.4)
     dflash = tiny_drafter(target, "dflash")
     dflash.generation_config.update(assistant_confidence_threshold=0.4, dspark_cost_table=settings.dspark_cost_table)
     plan = DraftingPlan.for_call(dflash)

@@ -164,7 +164,7 @@ MISTAKES = {
                                            ["t.json", "is not a cost table", "hf-dspark profile"], None),
     "cost table impossible times": lambda env: (env.generate + ["--cost-table",
                                                                 _file(env, "t.json", '{"seconds": [-1]}')],
-                                                ["t.json", "positive"], None),
+                                                ["t.json", "seconds from"], None),
     "prompt not UTF-8": lambda env: (["generate", "caf\udce9 au lait"] + env.generate[2:],
                                      ["prompt", "UTF-8", "position 3"], None),
     "regenerate into a read-only folder": lambda env: (

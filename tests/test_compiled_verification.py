@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 from hf_dspark.generation.one_prompt.target_runners import (DynamicTargetRunner, StaticTargetRunner, target_runner_for,
                                                  verification_buckets)
 from hf_dspark import DraftingState
-from hf_dspark.scheduling import VerificationCostTable
+from hf_dspark.policy import VerificationCostTable
 from conftest import prompts, tiny_drafter, tiny_target
 
 # A small vocabulary makes random drafters and suffix proposals right often enough that rounds accept 0 to all drafts.

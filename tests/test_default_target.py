@@ -41,7 +41,7 @@ def test_shipped_drafter_is_lossless_on_the_default_target():
 def test_every_shipped_drafter_is_lossless_with_and_without_suffix_drafting():
     """What `hf-dspark generate` runs by default (cost table, round planning, suffix drafting), and each drafter
     alone, give plain greedy's tokens on the real target."""
-    from hf_dspark.scheduling import VerificationCostTable
+    from hf_dspark.policy import VerificationCostTable
 
     target, tokenizer = load_default_target(dtype=torch.float32)
     prompts = [json.loads(benchmark_path(name).read_text().splitlines()[1])["turns"][0] for name in ("mbpp", "alpaca")]

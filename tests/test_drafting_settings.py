@@ -7,7 +7,7 @@ from transformers import GenerationConfig
 
 import hf_dspark
 from hf_dspark import DraftingState
-from hf_dspark.scheduling import VerificationCostTable
+from hf_dspark.policy import VerificationCostTable
 from conftest import prompts, tiny_drafter, tiny_target
 
 COSTS = VerificationCostTable([1.0, 1.1, 1.2, 1.3, 1.4], draft_seconds=0.2, description={"device": "test"})
@@ -75,7 +75,7 @@ def test_per_call_settings_override_the_drafter_defaults_for_that_call_only(rout
         how = {"assistant_model": drafter} if route == "assistant_model" else \
             {"custom_generate": hf_dspark.custom_generate_for(drafter)}
         return target.generate(input_ids, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
-                               dspark_round_planning=False, **how, **settings)
+                               dspark_round_planning=False, dspark_verification_policy="all", **how, **settings)
 
     plain = target.generate(input_ids, max_new_tokens=24, do_sample=False)
     short = generate(num_assistant_tokens=2)

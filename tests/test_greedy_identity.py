@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
+from hf_dspark.policy import DSparkScheduler, VerificationCostTable
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 

@@ -11,7 +11,7 @@ from hf_dspark.generation.engine import speculative_engine as batched
 from hf_dspark.generation.one_prompt import proposers as candidates
 from hf_dspark.generation.round import drafting
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
-from hf_dspark.scheduling import DSparkScheduler, VerificationCostTable
+from hf_dspark.policy import DSparkScheduler, VerificationCostTable
 from conftest import prompts, tiny_drafter, tiny_target
 
 COSTS = VerificationCostTable([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7])
@@ -60,7 +60,8 @@ def test_batch_one_with_suffix_drafting_and_planning_stays_within_two():
     assert drafter.last_generation_stats.count("suffix") + drafter.last_generation_stats.count("drafter") > 0
 
 
-POLICIES = [("all", None), ("threshold", 0.3), ("scheduler", "current"), ("scheduler", "two_steps_ago")]
+# The admission rule on a table of its own, and on the loop's own cost model (the default, calibrating confidences).
+POLICIES = [("all", None), ("threshold", 0.3), ("scheduler", "table"), ("scheduler", None)]
 
 
 @pytest.mark.parametrize("rows", [1, 4, 16])
@@ -68,8 +69,8 @@ POLICIES = [("all", None), ("threshold", 0.3), ("scheduler", "current"), ("sched
 def test_an_engine_step_reads_the_device_at_most_four_times_whatever_the_rows(rows, policy, arg):
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "markov", block_size=4)
-    if policy == "scheduler":
-        arg = DSparkScheduler(COSTS, mode=arg)
+    if arg == "table":
+        arg = DSparkScheduler(COSTS)
     engine = SpeculativeEngine(target, drafter, policy, arg)
     for index, prompt in enumerate(prompts(rows, length=6)):
         engine.submit(prompt[0], 12 + index % 5, do_sample=index % 2 == 1)  # rows finish at different steps

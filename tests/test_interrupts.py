@@ -226,7 +226,7 @@ def test_ctrl_c_in_commands_that_write_at_the_end_says_nothing_was_written(saved
         argv = ["bench", "--target", target, "--drafters", f"tiny={drafter}", "--dtypes", "float32", "--output",
                 str(output / "bench.md")]
     elif command == "profile":
-        monkeypatch.setattr("hf_dspark.scheduling.profile_verification_costs", stopped)
+        monkeypatch.setattr("hf_dspark.evaluation.profiling.profile_verification_costs", stopped)
         argv = ["profile", "--target", target, "--output", str(output / "costs.json")]
     else:
         monkeypatch.setattr("hf_dspark.hub.convert.convert_drafter", stopped)

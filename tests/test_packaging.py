@@ -45,7 +45,8 @@ def installed(tmp_path_factory):
     source = tmp_path_factory.mktemp("source")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    shutil.copytree(ROOT / "hf_dspark", source / "hf_dspark", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("hf_dspark", "hf_dspark_launch"):  # the library, and the console script's entry point
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     wheels = tmp_path_factory.mktemp("wheels")
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check",
                             "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels), str(source)],

@@ -13,7 +13,7 @@ from hf_dspark import DraftingState
 from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.policy.acceptance import SlotAcceptance, SuffixAcceptance, survivals
-from hf_dspark.policy.cost_table import VerificationCostTable
+from hf_dspark.models.cost_table import VerificationCostTable
 from hf_dspark.policy.costs import CostModel
 from hf_dspark.policy.planner import DRAFTER, NO_DRAFT, SUFFIX, RoundPolicy
 from lossless_checks import assert_three_tokens_match
@@ -205,21 +205,6 @@ def test_planning_off_drafts_every_budget():
 # ---------------------------------------------------------------------------------------------------------
 # The loops: every row is its own plain greedy output, whatever the policy picks
 # ---------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.synthetic_timings
-def test_rows_know_whether_their_queue_holds_prompts_no_drafter_pass_took():
-    target = tiny_target("llama")
-    drafter = tiny_drafter(target, "markov", block_size=4)
-    engine = SpeculativeEngine(target, drafter)
-    engine.round_policy.costs = priced(lambda r, w: 0.01 * r * w, draft=0.01)  # plain steps: no drafter pass
-    first, second = prompts(2)
-    engine.submit(first[0], max_new_tokens=MAX_NEW)
-    engine.step()  # prefilled into an empty batch: the prompt's context stays queued
-    assert engine._rows.prompts_queued
-    engine.submit(second[0], max_new_tokens=MAX_NEW)
-    engine.step()  # a join moves both blocks' queues into the drafter's cache first
-    assert not engine._rows.prompts_queued
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from hf_dspark.scheduling import VerificationCostTable
+from hf_dspark.policy import VerificationCostTable
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from hf_dspark import DraftingState, rejection_sample

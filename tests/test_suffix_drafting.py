@@ -4,7 +4,7 @@ itself, the same at every batch size, is tested in test_batch_round_planning.py)
 import pytest
 import torch
 
-from hf_dspark.policy.suffix import SuffixIndex
+from hf_dspark.models.suffix import SuffixIndex
 from hf_dspark.policy import VerificationCostTable
 from hf_dspark import DraftingState
 from hf_dspark.policy.acceptance import SuffixAcceptance

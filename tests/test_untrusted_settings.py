@@ -19,7 +19,7 @@ from hf_dspark.cli.main import main
 from hf_dspark.generation import DraftingSettings
 from hf_dspark.models.errors import DrafterLoadError, UserInputError
 from hf_dspark.models.json_files import SMALL_JSON_BYTES, read_json
-from hf_dspark.scheduling import VerificationCostTable
+from hf_dspark.policy import VerificationCostTable
 from conftest import prompts, tiny_drafter, tiny_target
 
 TABLE = VerificationCostTable([1.0, 1.5, 2.0], draft_seconds=0.25, description={"device": "folder"})

@@ -527,7 +527,7 @@ def forward_costs(target, rows: int, max_tokens: int, context_length: int, repea
 
 
 def measure_costs(results: Results, configs: Path, profile: Profile, deadline: Deadline) -> None:
-    from hf_dspark.scheduling.cost_table import profile_verification_costs
+    from hf_dspark.evaluation.profiling import profile_verification_costs
 
     for name in profile.targets:
         deadline.check(f"the {name} cost curve")

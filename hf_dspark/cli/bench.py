@@ -22,9 +22,10 @@ def cmd_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.output:
-        from hf_dspark.training.output_folder import check_writable
+        from hf_dspark.training.output_folder import check_writable_file
 
-        check_writable(Path(args.output).parent, "--output")  # written after the whole benchmark
+        for path in (Path(args.output), Path(args.output).with_suffix(".json")):  # written after the whole benchmark
+            check_writable_file(path, "--output")
     if args.drafters:
         unlabelled = [item for item in args.drafters if "=" not in item]
         if unlabelled:
@@ -33,7 +34,10 @@ def cmd_bench(args) -> int:
         named = dict(item.split("=", 1) for item in args.drafters)
     else:
         named = {kind: str(shipped_drafter_path(kind)) for kind in ("dspark", "dflash", "eagle3")}
-    prompts = held_out_prompts(args.benchmarks, args.prompts_per_benchmark)
+    try:
+        prompts = held_out_prompts(args.benchmarks, args.prompts_per_benchmark)
+    except (ValueError, FileNotFoundError) as error:  # a misspelt set, before any model loads
+        raise UserInputError(f"--benchmarks: {error}.") from None
     command = "hf-dspark bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     report = [f"# hf-dspark bench ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
               f"Command: `{command}`", "",
@@ -77,7 +81,7 @@ def measure_forward_costs(target, dtype: str) -> tuple[str, dict]:
     """(report line, data): what a target forward over k tokens costs relative to a one-token decode step on this
     machine. Speculative decoding verifying k tokens per round gains only when tau exceeds that ratio plus the
     drafting time."""
-    from hf_dspark.scheduling import profile_verification_costs
+    from hf_dspark.evaluation.profiling import profile_verification_costs
 
     table = profile_verification_costs(target, max_tokens=COST_TOKENS, context_length=256, repeats=5)
     ratios = [seconds / table.seconds[0] for seconds in table.seconds]

@@ -11,7 +11,7 @@ from transformers import TextStreamer
 from hf_dspark.evaluation.prompts import chat_input_ids
 from hf_dspark.models.errors import UserInputError
 from hf_dspark.models.loading import AUTO_DEVICE, load_drafter, shipped_drafter_path
-from hf_dspark.scheduling.drafting_state import DraftingState
+from hf_dspark.policy.state import DraftingState
 
 DEVICE_HELP = "where the models run: auto (default: the GPU if there is one, else the CPU), cpu, cuda, cuda:1, mps"
 
@@ -24,8 +24,10 @@ def add_device_argument(parser) -> None:
 def cost_table_for(target, drafter, target_name: str):
     """Profile (once, cached on disk) what verifying 1..gamma+1 tokens costs here, for the throughput schedule."""
     from hf_dspark.targets.default_target import cache_root
-    from hf_dspark.scheduling import VerificationCostTable, profile_verification_costs
-    from hf_dspark.scheduling.cost_table import TIMING, CostTableError
+    from hf_dspark.evaluation.profiling import profile_verification_costs
+    from hf_dspark.policy import VerificationCostTable
+    from hf_dspark.evaluation.profiling import TIMING
+    from hf_dspark.models.cost_table import CostTableError
 
     dtype = str(next(target.parameters()).dtype).replace("torch.", "")
     device = next(target.parameters()).device
@@ -112,8 +114,8 @@ def cmd_generate(args) -> int:
         check_utf8(args.prompt, "the prompt argument")
     costs = None
     if args.cost_table and not args.no_schedule:  # a bad file fails now, not after the models load
-        from hf_dspark.scheduling import VerificationCostTable
-        from hf_dspark.scheduling.cost_table import CostTableError
+        from hf_dspark.policy import VerificationCostTable
+        from hf_dspark.models.cost_table import CostTableError
 
         try:
             costs = VerificationCostTable.load(args.cost_table)

@@ -44,7 +44,9 @@ def cmd_convert(args) -> int:
     from safetensors import SafetensorError
 
     from hf_dspark.hub.convert import convert_drafter
+    from hf_dspark.training.output_folder import check_writable
 
+    check_writable(args.output, "the output folder")  # a file in the way fails before the drafter loads
     output = Path(args.output)
     existed = output.exists()
     try:

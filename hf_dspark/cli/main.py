@@ -83,10 +83,10 @@ def cmd_cache(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from hf_dspark.scheduling import profile_verification_costs
-    from hf_dspark.training.output_folder import check_writable
+    from hf_dspark.evaluation.profiling import profile_verification_costs
+    from hf_dspark.training.output_folder import check_writable_file
 
-    check_writable(Path(args.output).parent, "--output")  # written after the profiling
+    check_writable_file(args.output, "--output")  # written after the profiling
     if args.threads:
         torch.set_num_threads(args.threads)
     target, _ = load_target(args.target, args.dtype, device=args.device)
@@ -261,8 +261,16 @@ def _add_profile_parser(sub) -> None:
     profile.set_defaults(func=cmd_profile)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, whose mistakes (an unknown flag, a missing argument, a value of the wrong type) are one
+    line and exit code 2, like every other mistake of the command line, instead of the whole usage first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
+    parser = OneLineParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
     # Subcommand order is the order `hf-dspark --help` lists them in.
     _add_regenerate_parser(sub)
@@ -274,11 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     from hf_dspark.cli.eval import add_parser as add_eval
     from hf_dspark.cli.generate import add_parser as add_generate
     from hf_dspark.cli.hub import add_parser as add_hub
+    from hf_dspark.cli.serve import add_parser as add_serve
 
     add_generate(sub, list(DTYPES))
     add_bench(sub, list(DTYPES))
     add_eval(sub, list(DTYPES))
     add_hub(sub)
+    add_serve(sub, list(DTYPES))
     return parser
 
 
@@ -293,6 +303,12 @@ def impossible_setting(args) -> str | None:
         ("batch_size", "--batch-size", lambda v: v >= 1, "must be at least 1"),
         ("rows", "--rows", lambda v: v >= 1, "must be at least 1"),
         ("max_tokens", "--max-tokens", lambda v: v >= 1, "must be at least 1"),
+        ("threads", "--threads", lambda v: v >= 1, "must be at least 1"),
+        ("context_length", "--context-length", lambda v: v >= 1, "must be at least 1"),
+        ("repeats", "--repeats", lambda v: v >= 1, "must be at least 1"),
+        ("prompts_per_benchmark", "--prompts-per-benchmark", lambda v: v >= 1, "must be at least 1"),
+        ("max_prompts", "--max-prompts", lambda v: v >= 1, "must be at least 1"),
+        ("exec_timeout", "--exec-timeout", lambda v: v > 0, "must be above 0 seconds"),
     ]
     for name, flag, ok, rule in rules:
         value = getattr(args, name, None)

@@ -3,7 +3,7 @@
 The scheduler ranks draft positions by cumulative survival c_1 * ... * c_j, so it is the *products* that must be
 calibrated, not each c_j alone. STS fits one temperature per slot, left to right: T_1 minimises the ECE of c_1
 against "slot 1 accepted"; with T_1 fixed, T_2 minimises the ECE of c_1 c_2 against "slots 1-2 accepted"; and so
-on. Store the result in `drafter.config.confidence_temperatures`; generation applies it before scheduling.
+on. Store the result in `drafter.config.confidence_temperatures`; generation applies it before the admission rule reads them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 class RoundRecords(Protocol):
     """Per-round records of a generation (`hf_dspark.generation.SpeculativeStats` is one): the drafter's confidence
-    per drafted slot and how many drafts were accepted. Named by its shape, so that scheduling, below generation,
+    per drafted slot and how many drafts were accepted. Named by its shape, so that the policy, below generation,
     does not import it."""
 
     confidences: Sequence[Sequence[float]]

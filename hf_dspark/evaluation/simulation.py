@@ -3,9 +3,10 @@
 A real run on one machine shows one cost curve. To see what the DSpark scheduler does on other hardware (a GPU,
 where verifying 8 tokens costs about as much as 1 until the batch saturates the chip), `simulate_policy` replays
 rounds of R concurrent requests: each round draws every request's per-slot conditional acceptance probabilities
-c[r, j] from a `ConfidenceModel`, lets the policy pick how many slots each request verifies, draws acceptance
-(slot j survives with probability c[r, j] once its prefix did: the confidences are calibrated by construction),
-and charges the round `draft_seconds(R) + verify_seconds(B)` with B the tokens verified. Plain decoding is the
+c[r, j] from a `ConfidenceModel`, lets the policy pick how many slots each request verifies (with `planning`, the
+policy's own classes decide before drafting too, from prices learnt off the simulated seconds), draws acceptance
+(slot j survives with probability c[r, j] once its prefix did, or a given function of it), and charges the round
+`draft_seconds(R)` when the drafter ran and the forward over R rows padded to the widest. Plain decoding is the
 policy that verifies no drafts and pays no drafting.
 
 Throughput is tokens per second over all requests (aggregate); per-user speed is that divided by R (every request
@@ -20,8 +21,11 @@ from typing import Callable
 
 import torch
 
-from ..policy.cost_table import VerificationCostTable
+from ..models.cost_table import VerificationCostTable
+from ..policy.acceptance import ConfidenceShift, SlotAcceptance
+from ..policy.costs import CostModel
 from ..policy.length_rule import DraftLengthRule
+from ..policy.planner import RoundPolicy
 
 POLICIES = ("plain", "all", "fixed", "threshold", "scheduler")
 
@@ -94,27 +98,56 @@ def policy_lengths(policy: str, policy_arg, confidences: torch.Tensor) -> torch.
     return DraftLengthRule(policy, policy_arg).lengths(confidences, budget)
 
 
+class _Clock:
+    """Simulated seconds, read by the policy as it reads the real clock."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Text:
+    tokens: list[int] = []
+
+
 def simulate_policy(policy: str, policy_arg, *, requests: int, rounds: int, confidence_model: ConfidenceModel,
-                    costs: VerificationCostTable, draft_seconds: Callable[[int, int], float],
-                    seed: int = 0) -> PolicyResult:
-    """`rounds` rounds of `requests` always-busy requests under one policy (same seed: same confidence draws)."""
+                    costs: VerificationCostTable, draft_seconds: Callable[[int, int], float], seed: int = 0,
+                    planning: bool = False, acceptance: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> PolicyResult:
+    """`rounds` rounds of `requests` always-busy requests under one policy (same seed: same confidence draws).
+
+    `planning`: the policy also decides before drafting (`RoundPolicy`, as `generate()`'s defaults do), from prices
+    it learns off the simulated seconds, and ``"scheduler"`` without a scheduler of its own is the admission rule on
+    those prices with its confidence calibration. `acceptance`: the chance each drafted slot is accepted given its
+    confidence (None: the confidence itself, a calibrated head)."""
     generator = torch.Generator().manual_seed(seed)
     gamma = confidence_model.gamma
-    tokens, seconds, verified = 0, 0.0, 0
+    clock, model, shift = _Clock(), CostModel(), ConfidenceShift()
+    plans = RoundPolicy(gamma, planning=planning, costs=model, drafter_acceptance=SlotAcceptance.empty(gamma),
+                        calibration=shift, clock=clock)
+    rule = DraftLengthRule(policy, policy_arg, costs=model, calibration=shift) if policy != "plain" else None
+    tokens, verified = 0, 0
     for _ in range(rounds):
         confidences = confidence_model.sample(requests, generator)
-        accepted = torch.rand(requests, gamma, generator=generator) < confidences
-        drafts = policy != "plain"
-        lengths = policy_lengths(policy, policy_arg, confidences)
+        accepted = torch.rand(requests, gamma, generator=generator) < (
+            confidences if acceptance is None else acceptance(confidences))
+        plan = plans.plan(list(range(requests)), [_Text] * requests, [gamma if rule else 0] * requests)
+        budget = torch.tensor(plan.lengths)
+        lengths = rule.lengths(confidences, budget) if plan.use_drafter else budget
+        if plan.use_drafter:
+            clock.now += draft_seconds(requests, gamma)
+        started = clock.now
+        width = int(lengths.max()) + 1
+        clock.now += costs.round_seconds(requests * width) - costs.draft_seconds  # rows padded to the widest
         in_prefix = torch.arange(gamma).expand(requests, -1) < lengths[:, None]
         survived = (accepted & in_prefix).long().cumprod(dim=-1).sum(dim=-1)
         tokens += int(survived.sum()) + requests  # accepted drafts plus one target token each
         verified += int(lengths.sum())
-        batch = int(lengths.sum()) + requests
-        seconds += costs.seconds[batch - 1] if batch <= costs.max_tokens else costs.round_seconds(batch)
-        if drafts:
-            seconds += draft_seconds(requests, gamma)
-    return PolicyResult(policy, requests, rounds, tokens, seconds, verified / (rounds * requests))
+        plans.record(plan, list(range(requests)), lengths.tolist(), survived.tolist(), width, started, True,
+                     [confidences[r, : int(lengths[r])].tolist() for r in range(requests)])
+    return PolicyResult(policy, requests, rounds, tokens, clock.now, verified / (rounds * requests))
 
 
 def expected_tau(means: list[float]) -> float:

@@ -16,6 +16,10 @@ from .call.plan import DraftingPlan
 from .call.settings import DraftingSettings
 from .round.stats import SpeculativeStats
 from .round.verification import greedy_verify, rejection_sample
+from ..models.drafting_config import install_drafting_settings_check
+
+# A drafter folder's saved drafting settings are refused when it loads, by the rules every generate() call applies.
+install_drafting_settings_check(DraftingSettings.resolve)
 
 __all__ = [
     "BatchedOutput",

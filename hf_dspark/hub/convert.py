@@ -59,6 +59,7 @@ from ..models.modeling_eagle3 import Eagle3DraftModel
 from ..models.formats import deepspec, deepspec_gemma4
 from ..models.formats.deepspec import DSPARK_ARCHITECTURE, EAGLE3_ARCHITECTURE, HEAD_NAMES, MARKOV_TYPES, W1, W2
 from ..models.formats.deepspec_config import GEMMA4_DSPARK_ARCHITECTURE, GEMMA4_EAGLE3_ARCHITECTURE
+from ..models.saved_config import read_folder_config
 
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 
@@ -103,14 +104,9 @@ def import_deepspec(folder: str | Path, target=None) -> DSparkDraftModel | Eagle
     `Eagle3DraftModel`), every tensor accounted for (`formats.deepspec.load`). With `target`, the drafter must be
     for its architecture and shapes, and the stored embedding / LM head copies must be the target's."""
     folder = Path(folder)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
+    config = read_folder_config(folder, "DeepSpec drafter", DrafterLoadError)
+    if config is None:
         raise DrafterLoadError(f"{folder} has no config.json: pass a DeepSpec checkpoint folder")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DrafterLoadError(f"{config_file} is not valid JSON ({error}); restore the checkpoint's folder.") \
-            from None
     if not deepspec.matches(config):
         raise DrafterLoadError(
             f"{folder} is a {config.get('architectures') or 'checkpoint without architectures'}, not DeepSpec's "

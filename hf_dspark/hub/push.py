@@ -21,6 +21,7 @@ from pathlib import Path
 from huggingface_hub import HfApi
 
 from ..models.errors import UserInputError
+from ..models.folder_files import checked_file
 from ..models.identity import drafter_kind
 from ..models.json_files import read_json
 from .model_card import default_model_card, eval_results_table, replace_measured
@@ -46,8 +47,8 @@ def drafter_card(drafter, *, card: str | None = None, base_model: str | None = N
                  eval_method: str | None = None) -> str:
     """The README.md to upload with `drafter` (see the module docstring), checked before anything is written."""
     loaded_from = Path(getattr(drafter, "name_or_path", "") or "nonexistent") / "README.md"
-    if card is None and loaded_from.is_file():
-        card = loaded_from.read_text()
+    if card is None and os.path.lexists(loaded_from):  # a link out of the folder is never read (nor uploaded)
+        card = Path(checked_file(loaded_from, loaded_from.parent)).read_text()
     if eval_results is not None:
         eval_results = read_eval_results(eval_results)
         method = eval_method or drafter_kind(drafter.config)

@@ -167,13 +167,16 @@ def _rope(value, legacy: bool = False):
     if nested and len(nested) == len(value):
         return next((problem for problem in map(_rope, nested) if problem), None)
     rope_type = value.get("rope_type", value.get("type", "default"))
+    if not isinstance(rope_type, str):
+        return f"names rope_type {rope_type!r}, not a string (one of {['default', *ROPE_INIT_FUNCTIONS]})"
     if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
         return f"names rope_type {rope_type!r}, unknown to transformers (it knows {['default', *ROPE_INIT_FUNCTIONS]})"
     missing = [key for key in ROPE_REQUIRED_KEYS.get(rope_type, ()) if key not in value]
     if missing:
         return f"lacks {missing}, needed by rope_type {rope_type!r}"
     bad = [key for key in _ROPE_NUMBERS if key in value and not (is_finite_number(value[key]) and value[key] >= 0)]
-    bad += [key for key in ("rope_theta", "factor") if key in value and key not in bad and not value[key] > 0]
+    bad += [key for key in ("rope_theta", "factor", "original_max_position_embeddings")  # divisors
+            if key in value and key not in bad and not value[key] > 0]
     bad += [key for key in ("short_factor", "long_factor") if key in value and not (
         isinstance(value[key], list) and all(is_finite_number(entry) for entry in value[key]))]
     return f"has {bad} that {'are' if len(bad) > 1 else 'is'} not a positive number (or list of numbers)" if bad \
@@ -211,7 +214,7 @@ FIELD_RULES: dict[str, tuple[Rule, str]] = {
     "markov_head": (choice(SEQUENTIAL_HEADS, optional=True), "write the sequential head it was trained with"),
     "markov_rank": (integer(0), FROM_WEIGHTS),
     "confidence_temperatures": (list_of(number(0.0), "positive numbers", optional=True),
-                                "refit them with hf_dspark.scheduling.fit_sequential_temperatures, or write null"),
+                                "refit them with hf_dspark.evaluation.calibration.fit_sequential_temperatures, or write null"),
     "confidence_threshold_rule": (choice(CONFIDENCE_THRESHOLD_RULES), "write one of the rules"),
     "final_logit_softcapping": (number(0.0, optional=True), "write a positive cap, or null for none"),
     "input_embedding_scale": (number(optional=True), "write a finite scale, or null for none"),
@@ -265,7 +268,7 @@ def check_consistency(fields: dict[str, tuple[str, Any]], source: str, kind: str
     """Fields that are each valid but contradict each other (`fields`: our name -> (shown name, value))."""
     value = {name: shown_value[1] for name, shown_value in fields.items()}
     for name, problem, fix in _contradictions(value, kind):
-        shown, found = fields[name]
+        shown, found = fields.get(name, (name, None))  # a field the file lacks contradicts as its null
         raise refusal(source, shown, found, problem, fix)
 
 
@@ -316,6 +319,21 @@ def _dspark_contradictions(value: dict):
         yield ("num_attention_heads", f"does not divide hidden_size={hidden}", FROM_TARGET)
 
 
+IDENTITY_RULES: dict[str, tuple[Rule, str]] = {
+    "model_type": (_text(), 'write the model type the checkpoint was saved with, a string such as "qwen3"'),
+    "architectures": (list_of(_text(optional=False), "class names", optional=True, nonempty=False),
+                      'write the list of class names it was saved with, e.g. ["Qwen3DSparkModel"]'),
+}
+"""The fields every reader picks a checkpoint's layout by, before any layout's own rules run."""
+
+
+def check_identity_fields(config: Mapping[str, Any], source: str) -> None:
+    """Refuse a config.json whose `model_type` is not a string or whose `architectures` is not a list of strings,
+    naming the field: every reader looks the layout up by them (a list there is no key of any table)."""
+    check_config_fields({name: config[name] for name in IDENTITY_RULES if name in config}, source,
+                        rules=IDENTITY_RULES)
+
+
 def built_naming(source: str, make: Callable[[], Any]):
     """`make()` (a config built from a file's fields), a refusal of its checks naming `source` (the file) too."""
     try:
@@ -340,5 +358,6 @@ def config_source(kwargs: Mapping[str, Any], fallback: str) -> str:
 __all__ = ["ATTENTION_LAYER_TYPES", "BLOCK", "BOOLEAN", "CONFIDENCE_THRESHOLD_RULES", "FIELD_RULES", "FROM_TARGET",
            "FROM_WEIGHTS", "LAYER_STYLES", "MAX_BLOCK_SIZE", "MAX_DRAFT_LAYERS", "MAX_TARGET_LAYERS",
            "SEQUENTIAL_HEADS",
-           "built_naming", "check_config_fields", "check_consistency", "choice", "config_source", "flag", "integer",
+           "built_naming", "check_config_fields", "check_consistency", "check_identity_fields", "choice",
+           "config_source", "flag", "integer",
            "is_finite_number", "list_of", "number", "refusal"]

@@ -11,6 +11,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 from .config_checks import CONFIDENCE_THRESHOLD_RULES, check_config_fields, config_source
+from .errors import UserInputError
 from .target_info import QK_NORM_FAMILIES, target_shape_fields
 
 
@@ -42,7 +43,7 @@ class DraftPreTrainedConfig(PreTrainedConfig):
             the training answers; ids in the `draft_to_target` buffer). Drafting and the draft LM head get
             cheaper; verification stays exact over the full vocabulary. `None` drafts over all tokens.
         suffix_drafting (`bool`): Let generation at batch 1 also propose suffix matches over the prompt and the
-            text so far (`hf_dspark.generation.round.suffix`) and verify, each round, whichever of the drafter's block, the
+            text so far (`hf_dspark.models.suffix`) and verify, each round, whichever of the drafter's block, the
             suffix proposal or no draft promises the most tokens per second. Lossless either way; seeds the
             drafter's `generation_config.dspark_suffix_drafting`, which a `generate()` call may override.
         deepspec_fields (`dict`, *optional*): Fields of an imported DeepSpec config.json that hf_dspark does not
@@ -123,6 +124,11 @@ class DraftPreTrainedConfig(PreTrainedConfig):
         fields = target_shape_fields(target_config)
         fields["qk_norm"] = fields["target_model_type"] in QK_NORM_FAMILIES
         fields.update(overrides)
+        if fields["intermediate_size"] is None:
+            raise UserInputError(
+                f"the {fields['target_model_type']} target's config names no MLP width (intermediate_size, GPT-2's "
+                "n_inner or OPT's ffn_dim), which a drafter's layers take from it: pass intermediate_size=... (e.g. "
+                "4 x hidden_size) to from_target_config.")
         return fields
 
 

@@ -72,7 +72,7 @@ class DSparkDraftConfig(DraftPreTrainedConfig):
             prefix was (sigmoid of a linear map of `[h_k ; W1[x_{k-1}]]`).
         confidence_temperatures (`list[float]`, *optional*): Sequential Temperature Scaling, one temperature per
             slot applied to the confidence logit at inference (`sigmoid(logit / T_k)`), fitted left to right on
-            held-out generations by `hf_dspark.scheduling.fit_sequential_temperatures`. `None` = no scaling.
+            held-out generations by `hf_dspark.evaluation.calibration.fit_sequential_temperatures`. `None` = no scaling.
         draft_vocab_size (`int`, *optional*), suffix_drafting (`bool`), initializer_range (`float`): As for every
             drafter ([`DraftPreTrainedConfig`]).
         confidence_threshold_rule (`str`): What a static `assistant_confidence_threshold` t is compared with:

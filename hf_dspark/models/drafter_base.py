@@ -12,7 +12,8 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
-from .drafting_config import drafting_generation_config, load_drafting_config, save_drafting_config
+from .drafting_config import (GENERATION_CONFIG_FILE, check_saved_settings, drafting_generation_config,
+                              load_drafting_config, save_drafting_config)
 from .errors import DrafterLoadError
 from .hub_hooks import _hub_hooks
 from .layers import DraftDecoderLayer, DraftRMSNorm, DraftRotaryEmbedding
@@ -163,6 +164,9 @@ class DraftPreTrainedModel(TargetBindingMixin, PreTrainedModel):
         check_floating_weights(files, model, "drafter")  # int8 weights were cast into the floats silently
         model.generation_config = load_drafting_config(
             pretrained_model_name_or_path, model.config, **{k: kwargs[k] for k in HUB_OPTIONS if k in kwargs})
+        local = Path(pretrained_model_name_or_path, kwargs.get("subfolder") or "", GENERATION_CONFIG_FILE)
+        check_saved_settings(model, str(local) if local.parent.is_dir() else
+                             f"the {GENERATION_CONFIG_FILE} of {str(pretrained_model_name_or_path)!r}")
         return (model, info) if return_info else model
 
     @classmethod

@@ -19,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, Callable
 
 from transformers import GenerationConfig
 from transformers.utils import cached_file
 
 from .config_checks import is_finite_number
 from .errors import DrafterLoadError, UserInputError
+from .folder_files import checked_file, resolves_inside
 from .json_files import SMALL_JSON_BYTES, read_json
 
 DRAFTING_DEFAULTS = {
@@ -46,6 +48,9 @@ CALL_ONLY_SETTINGS = ("dspark_state",)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 COST_TABLE_FIELDS = ("seconds", "draft_seconds", "description")
+# The times a cost table may hold: a forward faster than a nanosecond or slower than a day is not a measurement, and
+# prices that far apart divide to infinities or zeros in the admission rule.
+MIN_TABLE_SECONDS, MAX_TABLE_SECONDS = 1e-9, 86400.0
 OWN_TABLE_FIX = ("profile a table of your own (`hf-dspark profile --output my-costs.json`) and pass it per call: "
                  "generate(..., dspark_cost_table=\"my-costs.json\")")
 _CHECKPOINT_FIX = (f"restore the drafter folder, remove dspark_cost_table from its {GENERATION_CONFIG_FILE}, "
@@ -111,6 +116,7 @@ def load_drafting_config(folder: str | Path, config, **hub_options) -> Generatio
                                "connection and access to the repository, then load the drafter again.") from None
     if found is None:
         return drafting_generation_config(config)
+    checked_file(found, os.path.dirname(found), DrafterLoadError)  # a link out of the folder is never read
     saved = read_json(found, "the drafter's generation settings",
                       "restore it from the drafter's original folder, or delete it to use the drafting defaults",
                       DrafterLoadError, SMALL_JSON_BYTES)
@@ -119,6 +125,31 @@ def load_drafting_config(folder: str | Path, config, **hub_options) -> Generatio
     if saved.get("dspark_cost_table") is not None:
         saved["dspark_cost_table"] = checkpoint_cost_table(saved["dspark_cost_table"], folder, found, hub_options)
     return with_every_drafting_field(GenerationConfig.from_dict(saved), config)
+
+
+class DraftingSettingsCheck:
+    """Set by `hf_dspark.generation` when it is imported (the rules live with the decoding loop, above this layer):
+    `check(drafter)` raises a ValueError naming the first drafting setting of `drafter.generation_config` that every
+    `generate()` call would refuse. None in a remote-code copy without hf_dspark, whose first generate() checks."""
+
+    check: Callable[[Any], Any] | None = None
+
+
+def install_drafting_settings_check(check: Callable[[Any], Any]) -> None:
+    DraftingSettingsCheck.check = check
+
+
+def check_saved_settings(drafter, source: str) -> None:
+    """Refuse at load, not at the first `generate()`, a drafting setting the drafter's saved generation config
+    (`source`, its generation_config.json) holds that every call would refuse: a DrafterLoadError naming the file,
+    the field and the fix."""
+    if DraftingSettingsCheck.check is None:
+        return
+    try:
+        DraftingSettingsCheck.check(drafter)
+    except ValueError as error:
+        raise DrafterLoadError(f"{source}: {' '.join(str(error).split())} Fix the field in the file, or delete it to "
+                               "use its default.") from None
 
 
 def checkpoint_cost_table(value, folder, found: str, hub_options: dict) -> dict:
@@ -161,7 +192,7 @@ def _read_folder_table(name: str, folder, found: str, hub_options: dict) -> tupl
     if path is None:
         raise DrafterLoadError(f"{source} names {name!r}, which is not in the drafter folder {base}; "
                                f"{_CHECKPOINT_FIX}.")
-    if not _resolves_inside(path, base):
+    if not resolves_inside(path, base):
         raise DrafterLoadError(f"{source} names {name!r}, a link that leads outside the drafter folder {base}: a "
                                f"drafter folder may name only a file inside itself; {_CHECKPOINT_FIX}.")
     return read_json(path, f"{source}: the cost table", _CHECKPOINT_FIX, DrafterLoadError, SMALL_JSON_BYTES), path
@@ -178,26 +209,8 @@ def _name_problem(name: str) -> str | None:
     return None
 
 
-def _resolves_inside(path: str, base: str) -> bool:
-    """Whether `path`, every symlink resolved, lies inside the folder `base` (or, when `base` is a Hub cache
-    snapshot, in the `blobs/` folder of the same repository, where huggingface_hub links its files)."""
-    real = os.path.realpath(path)
-    roots = [os.path.realpath(base)]
-    for ancestor in (Path(base), *Path(base).parents):
-        repository = ancestor.parent.parent
-        if ancestor.parent.name == "snapshots" and repository.name.startswith("models--"):
-            blobs = os.path.join(os.path.realpath(repository), "blobs")
-            if os.path.realpath(blobs) == blobs:  # blobs/ itself no link elsewhere
-                roots.append(blobs)
-            break
-    try:
-        return any(os.path.commonpath([real, root]) == root for root in roots)
-    except ValueError:  # another drive
-        return False
-
-
 def cost_table_problem(stored) -> str | None:
-    """What is wrong with `stored` as the fields of a `VerificationCostTable` (`hf_dspark.scheduling`), naming the
+    """What is wrong with `stored` as the fields of a `VerificationCostTable` (`hf_dspark.policy`), naming the
     field, or None: 'seconds' a non-empty list of finite times > 0 (the forward over 1, 2, ... tokens),
     'draft_seconds' a finite time >= 0, 'description' an object (its 'rows', when given, an int >= 1), nothing else."""
     if not isinstance(stored, dict):
@@ -211,11 +224,12 @@ def cost_table_problem(stored) -> str | None:
         return (f"field 'seconds' is {repr(seconds)[:80]}, not a non-empty list of the seconds of a forward over 1, "
                 "2, ... tokens")
     for index, value in enumerate(seconds):
-        if not (is_finite_number(value) and value > 0):
-            return f"field 'seconds'[{index}] is {repr(value)[:80]}, not a positive, finite number of seconds"
+        if not (is_finite_number(value) and MIN_TABLE_SECONDS <= value <= MAX_TABLE_SECONDS):
+            return (f"field 'seconds'[{index}] is {repr(value)[:80]}, not a number of seconds from "
+                    f"{MIN_TABLE_SECONDS} to {MAX_TABLE_SECONDS}")
     draft = stored.get("draft_seconds", 0.0)
-    if not (is_finite_number(draft) and draft >= 0):
-        return f"field 'draft_seconds' is {repr(draft)[:80]}, not a finite number of seconds >= 0"
+    if not (is_finite_number(draft) and 0 <= draft <= MAX_TABLE_SECONDS):
+        return f"field 'draft_seconds' is {repr(draft)[:80]}, not a number of seconds from 0 to {MAX_TABLE_SECONDS}"
     description = stored.get("description", {})
     if not isinstance(description, dict):
         return f"field 'description' is a {type(description).__name__}, not an object"

@@ -6,23 +6,27 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
 from transformers import PreTrainedConfig
 
-from .config_checks import check_config_fields
+from .config_checks import check_config_fields, check_identity_fields
 from .errors import DrafterLoadError, UserInputError
+from .folder_files import checked_file
 from .identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE
 from .weight_files import HUB_OPTIONS
 
 
 def read_folder_config(folder: str | Path, what: str, error: type[UserInputError] = UserInputError) -> dict | None:
-    """`folder/config.json` as a dict, None when the folder has none; a file that is not JSON raises `error` (a
-    `UserInputError`) naming the file and the fix. `what` names the model the folder should hold ("drafter")."""
+    """`folder/config.json` as a dict, None when the folder has none; a file that is not JSON, a link out of the
+    folder, or a `model_type` / `architectures` of the wrong kind raises `error` (a `UserInputError`) naming the file
+    and the fix. `what` names the model the folder should hold ("drafter")."""
     config_file = Path(folder) / "config.json"
-    if not config_file.is_file():
+    if not os.path.lexists(config_file):
         return None
+    checked_file(config_file, folder, error)  # a link out of the folder, or a pipe, is never opened
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as problem:
@@ -31,6 +35,7 @@ def read_folder_config(folder: str | Path, what: str, error: type[UserInputError
     if not isinstance(config, dict):
         raise error(f"{config_file} holds a JSON {type(config).__name__}, not the object of fields a config.json is; "
                     f"restore the {what}'s folder from its original copy, or save the {what} again.")
+    check_identity_fields(config, str(config_file))
     return config
 
 
@@ -46,6 +51,7 @@ def read_config(path, options: dict) -> tuple[dict, Path | None]:
         return config, folder
     hub = {k: options[k] for k in HUB_OPTIONS if options.get(k) is not None}
     config, _ = PreTrainedConfig.get_config_dict(str(path), **hub)
+    check_identity_fields(config, f"config.json of {str(path)!r}")
     return config, None
 
 

@@ -50,12 +50,35 @@ GEMMA4_FAMILIES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_te
 """Targets whose drafters get Gemma 4's layers (`layer_style="gemma4"`), as DeepSpec's Gemma 4 drafters have."""
 
 
+def mlp_width(text_config: PreTrainedConfig) -> int | None:
+    """The width of the target's MLP, which a drafter's layers take by default: `intermediate_size`, or what the
+    families that name it otherwise call it (GPT-2's `n_inner`, None there meaning 4 x the hidden size as GPT-2's
+    MLP builds it; OPT's `ffn_dim`). None when the config names none (`from_target_config` then needs it given)."""
+    for name in ("intermediate_size", "n_inner", "ffn_dim"):
+        width = getattr(text_config, name, None)
+        if width:
+            return width
+    return 4 * text_config.hidden_size if hasattr(text_config, "n_inner") else None
+
+
+def check_shared_heads(text_config: PreTrainedConfig) -> None:
+    """Refuse a target whose LM head does not read its last hidden state as is: OPT's `project_out` maps it from
+    hidden_size to word_embed_proj_dim first, and a drafter shares the embedding and LM head at hidden_size."""
+    projected = getattr(text_config, "word_embed_proj_dim", None)
+    if projected is not None and projected != text_config.hidden_size:
+        raise DrafterTargetMismatchError(
+            f"this {text_config.model_type} target projects its hidden states (hidden_size {text_config.hidden_size})"
+            f" to word_embed_proj_dim {projected} before its LM head, which a drafter sharing that head does not do; "
+            "hf_dspark drafts for targets whose LM head reads the hidden states (OPT models whose two sizes agree).")
+
+
 def target_shape_fields(target_config: PreTrainedConfig) -> dict[str, Any]:
     """Every size a drafter copies from its target so that it can share the target's embedding and LM head: the
     attention shape of the target's full-attention layers (`full_attention_layer_config`). A Gemma 4 target also
     gives its layer style (`layer_style`, `attention_k_eq_v`) and its logits' soft cap, as DeepSpec's Gemma 4
     drafters copy them (`deepspec/modeling/dspark/gemma4/`)."""
     text = target_text_config(target_config)
+    check_shared_heads(text)
     layer = full_attention_layer_config(text)
     num_heads = layer.num_attention_heads
     head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // num_heads
@@ -67,7 +90,7 @@ def target_shape_fields(target_config: PreTrainedConfig) -> dict[str, Any]:
         **gemma4,
         "vocab_size": text.vocab_size,
         "hidden_size": text.hidden_size,
-        "intermediate_size": text.intermediate_size,
+        "intermediate_size": mlp_width(text),
         "num_attention_heads": num_heads,
         "num_key_value_heads": getattr(layer, "num_key_value_heads", None) or num_heads,
         "head_dim": head_dim,
@@ -105,6 +128,7 @@ def check_drafter_matches_target(draft_config: PreTrainedConfig, target_config: 
     """Raise :class:`DrafterTargetMismatchError` naming the problem and the fix when a drafter cannot serve a
     target. Called before any token is produced."""
     text = target_text_config(target_config)
+    check_shared_heads(text)
     name = type(draft_config).__name__
     fix = (
         "Use a drafter trained for this target, or build one with "

@@ -6,7 +6,8 @@ else the shards that `model.safetensors.index.json` names. With `use_safetensors
 index or `transformers_weights` names: a pickled `weights.bin` (through torch's unpickler), `../x.safetensors` or an
 absolute path outside the folder. `checked_weight_files` resolves the same files the same way (through
 transformers' own `cached_file`, so a Hub id is checked on the index its cache holds) and refuses anything but
-`.safetensors` files inside the folder. `check_floating_weights` (files) and `check_floating_tensors` (tensors
+`.safetensors` files inside the folder, each a regular file there once every symlink is resolved (`folder_files`:
+a link out of the folder is never read). `check_floating_weights` (files) and `check_floating_tensors` (tensors
 read) refuse integer tensors stored where the model has floating-point weights (loading would cast them silently).
 `check_fits_before_building`, shared by every layout's reader, compares the stored shapes (`stored_tensor_headers`:
 headers only) with the drafter a config describes, built on the meta device, before any real module exists."""
@@ -16,15 +17,18 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from .errors import DrafterLoadError, UserInputError
+from .folder_files import checked_file
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
 HUB_OPTIONS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision", "subfolder")
 """The `from_pretrained` keyword arguments that decide where a file is resolved (passed on to `cached_file`)."""
 
+_RESAVE = "download the checkpoint again, or save it again with save_pretrained()"
 _FIX = ("hf_dspark reads only .safetensors files inside the checkpoint folder (never a pickle, never a path outside "
         "it): re-save the checkpoint with save_pretrained() so that its safetensors shards are inside the folder")
 
@@ -39,11 +43,19 @@ def _variant(name: str, variant: str | None) -> str:
 
 def _resolve(path, name: str, options: dict) -> str | None:
     """The local file transformers reads for `name` of `path` (a folder, or a Hub id through its cache), None
-    when there is none: the same call and flags as transformers' own resolution, so both find the same file."""
+    when there is none: the same call and flags as transformers' own resolution, so both find the same file. A file
+    found must be a regular file inside its folder (`checked_file`); so must a name a local folder holds that
+    transformers would skip as missing (a pipe, a folder or a broken link in place of the weights)."""
     from transformers.utils.hub import cached_file
 
-    return cached_file(str(path), name, _raise_exceptions_for_gated_repo=False,
-                       _raise_exceptions_for_missing_entries=False, **options)
+    found = cached_file(str(path), name, _raise_exceptions_for_gated_repo=False,
+                        _raise_exceptions_for_missing_entries=False, **options)
+    local = os.path.join(str(path), options.get("subfolder") or "", name)
+    if found is None and os.path.isdir(str(path)) and os.path.lexists(local):
+        found = local
+    if found is not None:
+        checked_file(found, Path(found).parents[len(PurePosixPath(name).parts) - 1])
+    return found
 
 
 def _inside(name, source: str, what: str, suffixes: tuple[str, ...] = (".safetensors",)) -> str:
@@ -80,8 +92,9 @@ def indexed_weight_map(folder, what: str) -> dict[str, Path] | None:
     a `.safetensors` file inside the folder), None when the folder has no index: reading some tensors of a sharded
     checkpoint (a drafter module inside a target's) then opens only the shards that hold them."""
     index_file = Path(folder) / SAFE_INDEX_NAME
-    if not index_file.is_file():
+    if not os.path.lexists(index_file):
         return None
+    checked_file(index_file, folder)
     _index_shards(str(index_file), what)  # the index is JSON with a weight_map, and every shard name is inside
     weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
     return {weight: Path(folder) / name for weight, name in weight_map.items()}
@@ -194,8 +207,22 @@ def read_checkpoint_tensors(folder, what: str, fix: str) -> dict:
                                f"shards); hf_dspark reads safetensors only: {fix}.")
     tensors = {}
     for file in files:
-        tensors.update(load_file(file))
+        with _unreadable_named(file, fix):
+            tensors.update(load_file(file))
     return tensors
+
+
+@contextmanager
+def _unreadable_named(file, fix: str):
+    """A safetensors file that cannot be read (truncated, corrupt: safetensors' own error names no file) becomes a
+    `DrafterLoadError` naming `file` and `fix`."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as error:
+        raise DrafterLoadError(f"{file} cannot be read as safetensors ({error}): the file is truncated or corrupt, "
+                               f"e.g. by an interrupted download or copy; {fix.rstrip('.')}.") from None
 
 
 def check_state_fits(expected: dict, state: dict, source, what: str, fix: str, stored_name=lambda name: name,
@@ -231,7 +258,7 @@ def stored_tensor_headers(files: list[str]) -> dict:
 
     headers = {}
     for file in files:
-        with safe_open(file, framework="pt") as stored:
+        with _unreadable_named(file, _RESAVE), safe_open(file, framework="pt") as stored:
             for name in stored.keys():
                 part = stored.get_slice(name)
                 kind = part.get_dtype()

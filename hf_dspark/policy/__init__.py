@@ -1,10 +1,9 @@
 """The verification policy: what each round verifies, decided by one admission rule (`admission`) on one estimate of
 acceptance per proposer and slot (`acceptance`) and one cost model (`costs`), before drafting (`planner`) and after
-(`length_rule`); what calls remember (`state`, `remembered`); the profiled table the cost model starts from
-(`cost_table`)."""
+(`length_rule`); what calls remember (`state`, `remembered`)."""
 
 from .admission import DSparkScheduler
-from .cost_table import VerificationCostTable, profile_verification_costs
+from ..models.cost_table import VerificationCostTable
 from .costs import CostModel
 from .length_rule import DraftLengthRule, resolve_verification_policy
 from .state import DraftingState, ProposalStatistics
@@ -16,6 +15,5 @@ __all__ = [
     "DraftingState",
     "ProposalStatistics",
     "VerificationCostTable",
-    "profile_verification_costs",
     "resolve_verification_policy",
 ]

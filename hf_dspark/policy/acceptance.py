@@ -99,9 +99,10 @@ class SuffixAcceptance:
         self.reached[match_length] = self.decay * self.reached.get(match_length, 0.0) + reached
 
 
-# How far one verified draft moves its slot's shift: a step of the log-loss gradient, so that about the last fifty
-# drafts verified at a slot set it (as the drafter's remembered acceptance does), and one draft moves it little.
-CALIBRATION_STEP = 0.05
+# How far one verified draft moves its slot's shift: a step of the log-loss gradient (whose slope in the shift is
+# p (1 - p), about 0.2), so that about the last fifty drafts verified at a slot set it, as they set the drafter's
+# remembered acceptance, and one draft moves it little.
+CALIBRATION_STEP = 0.1
 _EPSILON = 1e-4
 
 

@@ -26,6 +26,16 @@ from .acceptance import ConfidenceShift
 from .costs import CostModel
 
 
+def first_drop(expected: list[float], seconds: list[float]) -> int:
+    """The rule on the host (before drafting: no device value to wait for): the admitted width W, from the expected
+    tokens and the seconds of a round of width 1, 2, ... The same rule as `admitted_width`, which reads survivals on
+    the device."""
+    width = 1
+    while width < len(expected) and expected[width] / seconds[width] > expected[width - 1] / seconds[width - 1]:
+        width += 1
+    return width
+
+
 def admitted_width(survival: torch.Tensor, prices: torch.Tensor, early_stop: bool = True) -> torch.Tensor:
     """The admitted width W (a 0-d long tensor, 1 = anchors only) for `survival` (R, G) (0 where a row has no
     proposal) and `prices` (G + 1,), the seconds of a round of width 1..G + 1; on the survivals' device."""

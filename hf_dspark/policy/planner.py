@@ -21,11 +21,9 @@ import random
 import time
 from dataclasses import dataclass
 
-import torch
-
-from .suffix import SuffixProposer
+from ..models.suffix import SuffixProposer
 from .acceptance import ConfidenceShift, SlotAcceptance, SuffixAcceptance, survivals
-from .admission import admitted_width
+from .admission import first_drop
 from .costs import CostModel
 
 DRAFTER, SUFFIX, NO_DRAFT = "drafter", "suffix", "none"
@@ -44,6 +42,11 @@ class RoundPlan:
     @property
     def width(self) -> int:
         return max(self.lengths, default=0) + 1
+
+
+def _prefix(survival: list[float], count: int) -> float:
+    """Expected accepted tokens among the first `count` of a proposal with these survivals."""
+    return sum(survival[:count])
 
 
 class _Request:
@@ -77,17 +80,20 @@ class RoundPolicy:
         seed: the random stream of the Thompson draws.
         calibration: the `ConfidenceShift` the admission rule after drafting reads the confidences through, learnt
             into from the verified drafts' confidences.
+        clock: what the passes are timed by (a simulation's own clock).
     """
 
     def __init__(self, slots: int, *, planning: bool, costs: CostModel,
                  suffix_acceptance: SuffixAcceptance | None = None, drafter_acceptance: SlotAcceptance | None = None,
-                 drafter: bool = True, seed: int = 0, calibration: ConfidenceShift | None = None):
+                 drafter: bool = True, seed: int = 0, calibration: ConfidenceShift | None = None,
+                 clock=None):
         self.slots, self.planning, self.costs, self.drafter = slots, planning, costs, drafter
         self.suffix_acceptance = suffix_acceptance
         self.acceptance = drafter_acceptance if drafter_acceptance is not None else SlotAcceptance.empty(slots)
         self.acceptance.cover(slots)
         self.rng = random.Random(seed)
         self.calibration = calibration
+        self.clock = clock if clock is not None else time.perf_counter
         self.requests: dict[int, _Request] = {}
         self._started = 0.0
 
@@ -97,62 +103,60 @@ class RoundPolicy:
     def plan(self, request_ids: list[int], requests, budgets: list[int], drafter_possible: bool = True,
              explore: bool = True) -> RoundPlan:
         """This round's plan; starts the round's clock. `explore` False prices the drafter by its posterior mean
-        instead of a draw (its pass would catch up on whole prompts: a round to try it in costs more than most)."""
-        self._started = time.perf_counter()
+        instead of a draw (for tests and comparisons)."""
+        self._started = self.clock()
         rows = len(budgets)
         if not self.planning:
             drafting = drafter_possible and self.drafter and max(budgets, default=0) > 0
             return RoundPlan(drafting, [DRAFTER if drafting and b > 0 else NO_DRAFT for b in budgets],
                              list(budgets) if drafting else [0] * rows)
         widest = max(budgets, default=0)
-        suffix = torch.zeros(rows, widest)
-        for row, (request_id, request, budget) in enumerate(zip(request_ids, requests, budgets)):
+        suffix = []  # per row, the survivals of its suffix proposal's tokens
+        for request_id, request, budget in zip(request_ids, requests, budgets):
             own = self.requests.setdefault(request_id, _Request(self.suffix_acceptance))
             own.propose(request.tokens, budget)
-            if own.proposal:
-                rate = self.suffix_acceptance.rate(own.match)
-                suffix[row, : len(own.proposal)] = torch.tensor(survivals([rate] * len(own.proposal)))
-        prices = torch.tensor(self.costs.forward_prices(rows, widest + 1), dtype=torch.float64)
-        width = int(admitted_width(suffix, prices)) if widest else 1
-        best = self._plan(suffix, budgets, width, None, prices[width - 1].item())
+            rate = self.suffix_acceptance.rate(own.match) if own.proposal else 0.0
+            suffix.append(survivals([rate] * len(own.proposal)))
+        prices = self.costs.forward_prices(rows, widest + 1)
+        best = self._best(suffix, None, budgets, prices, 0.0)
         if drafter_possible and self.drafter and widest:
             rates = self.acceptance.draws(widest, self.rng) if explore else self.acceptance.means(widest)
-            drafted = torch.tensor(survivals(rates)).expand(rows, -1).clone()
-            drafted[torch.arange(widest)[None, :] >= torch.tensor(budgets)[:, None]] = 0.0
-            better = torch.maximum(suffix.cumsum(1), drafted.cumsum(1))  # each row's better proposer, per width
-            either = torch.diff(better, dim=1, prepend=better.new_zeros(rows, 1))
-            draft_seconds = self.costs.draft_seconds(rows)
-            width = int(admitted_width(either, prices + draft_seconds))
-            if width > 1:
-                candidate = self._plan(suffix, budgets, width, drafted, prices[width - 1].item() + draft_seconds)
-                if candidate.expected_rate > best.expected_rate:
-                    best = candidate
+            drafted = [survivals(rates[:budget]) for budget in budgets]
+            candidate = self._best(suffix, drafted, budgets, prices, self.costs.draft_seconds(rows))
+            if candidate.use_drafter and candidate.expected_rate > best.expected_rate:
+                best = candidate
         return best
 
-    def _plan(self, suffix, budgets, width, drafted, seconds: float) -> RoundPlan:
-        """Each row's proposer at `width` (the drafter's where it expects more, with `drafted`), priced."""
-        sources, lengths, expected = [], [], 0.0
+    def _best(self, suffix, drafted, budgets, prices, draft_seconds: float) -> RoundPlan:
+        """The admitted round when each row takes its better proposer at each width (`drafted` None: no drafter)."""
+        expected = [float(len(budgets))]
+        for slot in range(len(prices) - 1):  # each width adds every row's next slot of its better proposer
+            expected.append(expected[-1] + sum(
+                max(_prefix(suffix[row], slot + 1), _prefix(drafted[row], slot + 1) if drafted else 0.0)
+                - max(_prefix(suffix[row], slot), _prefix(drafted[row], slot) if drafted else 0.0)
+                for row in range(len(budgets))))
+        seconds = [price + draft_seconds for price in prices]
+        width = first_drop(expected, seconds)
+        sources, lengths = [], []
         for row, budget in enumerate(budgets):
-            suffix_tokens = float(suffix[row, : width - 1].sum())
-            drafter_tokens = float(drafted[row, : width - 1].sum()) if drafted is not None else -1.0
-            if drafter_tokens > suffix_tokens and drafter_tokens > 0:
+            by_suffix = _prefix(suffix[row], width - 1)
+            by_drafter = _prefix(drafted[row], width - 1) if drafted else 0.0
+            if by_drafter > by_suffix:
                 sources.append(DRAFTER)
                 lengths.append(min(width - 1, budget))
-                expected += 1.0 + drafter_tokens
-            elif suffix_tokens > 0:
+            elif by_suffix > 0.0:
                 sources.append(SUFFIX)
-                lengths.append(min(width - 1, int((suffix[row] > 0).sum())))
-                expected += 1.0 + suffix_tokens
+                lengths.append(min(width - 1, len(suffix[row])))
             else:
                 sources.append(NO_DRAFT)
                 lengths.append(0)
-                expected += 1.0
         use_drafter = DRAFTER in sources
-        return RoundPlan(use_drafter, sources, lengths, expected / seconds)
+        rate = expected[width - 1] / (prices[width - 1] + (draft_seconds if use_drafter else 0.0))
+        return RoundPlan(use_drafter, sources, lengths, rate)
 
     def drafted(self) -> float:
         """The drafter's pass is done (its outcome read on the host): returns the time, the verification's start."""
-        return time.perf_counter()
+        return self.clock()
 
     def record(self, plan: RoundPlan, request_ids: list[int], lengths: list[int], accepted: list[int],
                width: int, verification_started: float, draft_timed: bool = True,
@@ -160,7 +164,7 @@ class RoundPolicy:
         """The round's outcome (host values): the drafter rows' acceptance (and their verified slots' confidences,
         where the drafter has a head) and the passes' seconds (the drafter's only when `draft_timed`: a pass that
         also caught up on a whole prompt costs what later rounds do not)."""
-        finished = time.perf_counter()
+        finished = self.clock()
         rows = len(request_ids)
         if plan.use_drafter and draft_timed:
             self.costs.record_draft(rows, verification_started - self._started)

@@ -84,6 +84,16 @@ def check_writable(folder: str | os.PathLike, flag: str) -> None:
                 break
 
 
+def check_writable_file(path: str | os.PathLike, flag: str) -> None:
+    """A file a command writes when its work is done: refused before the work when a folder (or anything but a
+    regular file) is in its place or its folder cannot be written (`check_writable`), so no result is lost."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise OutputWriteError(f"cannot write to {flag} {path}: it is a folder, not a file; pass the path of the file "
+                               "to write (e.g. inside that folder).")
+    check_writable(path.parent, flag)
+
+
 @contextmanager
 def writing_to(folder: str | os.PathLike, flag: str, command: str, kept: str):
     """Turn a write failure in `folder` (see `write_problem`) into an `OutputWriteError` that names the folder, the

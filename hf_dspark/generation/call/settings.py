@@ -35,7 +35,7 @@ from pathlib import Path
 from ...models.configuration_common import CONFIDENCE_THRESHOLD_RULES
 from ...models.drafting_config import CALL_ONLY_SETTINGS, DRAFTING_DEFAULTS, OWN_TABLE_FIX
 from ...models.errors import UserInputError
-from ...policy.cost_table import VerificationCostTable
+from ...models.cost_table import VerificationCostTable
 from ...policy.length_rule import POLICIES
 from ...policy.state import DraftingState
 

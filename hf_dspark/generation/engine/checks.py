@@ -3,7 +3,10 @@ decode as the target's own decoding of the prompt alone."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper
 
 from ...models.identity import drafter_type
 from .requests import ParkedCache
@@ -11,6 +14,7 @@ from .masks import STATE_KINDS, mask_kinds
 from ..call.plan import DraftingPlan
 from ..call.settings import checked_draft_length
 from ..recurrent_states import check_states_kept
+from ..round.sampling import SamplingParams, check_top_p
 from ..transformers_internals import attention_layer_types, growing_cache
 
 def check_target(target) -> None:
@@ -64,7 +68,11 @@ def check_drafter(target, drafter) -> None:
 
 def checked_prompt(input_ids, vocab_size: int) -> torch.LongTensor:
     """One non-empty 1D prompt of integer ids inside the vocabulary (a float tensor is refused, not truncated)."""
-    input_ids = torch.as_tensor(input_ids)
+    try:
+        input_ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError):  # None, text, ragged or mixed lists: torch's own words name no fix
+        raise ValueError(f"submit takes one prompt of integer token ids, got {repr(input_ids)[:80]}; pass the "
+                         "tokenizer's ids (e.g. tokenizer(text, return_tensors='pt').input_ids[0]).") from None
     if input_ids.ndim == 2 and input_ids.shape[0] == 1:
         input_ids = input_ids[0]
     if input_ids.ndim != 1 or input_ids.numel() == 0:
@@ -82,6 +90,42 @@ def checked_prompt(input_ids, vocab_size: int) -> torch.LongTensor:
             f"(ids 0..{vocab_size - 1}); tokenize the prompt with the target's own tokenizer."
         )
     return input_ids
+
+
+def checked_sampling(do_sample, temperature, top_p, top_k) -> SamplingParams:
+    """A request's sampling settings, refused as `generate()` refuses them: a sampled request's temperature and top_k
+    go through transformers' own warpers, which `generate()` builds from them (its messages; nothing is rounded or
+    parsed, so top_k=2.5 or "5" is refused, not read as 2 or 5), top_p through `check_top_p`; None is the setting
+    off. A greedy request ignores them, as `generate()` does."""
+    if not do_sample:
+        return SamplingParams()
+    temperature = 1.0 if temperature is None else temperature
+    top_p = 1.0 if top_p is None else top_p
+    top_k = 0 if top_k is None else top_k
+    if temperature != 1.0:
+        TemperatureLogitsWarper(temperature)
+    if isinstance(top_k, bool):  # an int to the warper, whose top-k pass then fails at the first sampled token
+        raise ValueError(f"`top_k` has to be a strictly positive integer, but is {top_k}")
+    if top_k != 0:
+        TopKLogitsWarper(top_k)
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}.")
+    check_top_p(top_p)
+    return SamplingParams(True, temperature, top_p, top_k)
+
+
+def check_eos(eos_token_id) -> None:
+    """An end-of-sequence setting `generate()` reads: None (the target's own), a token id, a list of them or an
+    integer tensor; a bool, a float or a string would stop on another token than meant, or never."""
+    if eos_token_id is None:
+        return
+    if isinstance(eos_token_id, torch.Tensor):
+        values = eos_token_id.flatten().tolist()  # floats and bools stay floats and bools, refused below
+    else:
+        values = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    if any(isinstance(value, bool) or not isinstance(value, int) for value in values):
+        raise ValueError(f"eos_token_id must be a token id (an int), a list of them or an integer tensor, got "
+                         f"{repr(eos_token_id)[:80]}.")
 
 
 def check_left_padded(input_ids, attention_mask) -> None:

@@ -133,7 +133,6 @@ def project_queued(drafter: Eagle3DraftModel, rows: BatchRows) -> None:
     rows.pending = rows.pending.gather(1, column[..., None].expand(-1, -1, rows.pending.shape[-1]))
     rows.pending_valid, rows.pending_positions = newest.gather(1, column), rows.pending_positions.gather(1, column)
     rows.pending_tokens = rows.pending_tokens.gather(1, column)
-    rows.prompts_queued = False
 
 
 def row_drafter_for(drafter):

@@ -50,7 +50,7 @@ def _empty_rows(request_ids: list[int], target_cache, num_rows: int, device) -> 
         request=to_device(request_ids, device), request_ids=list(request_ids), anchor=zeros,
         target_cache=target_cache, target_valid=empty, target_length=zeros,
         draft_cache=DraftContextCache(), draft_valid=empty, pending=torch.zeros(num_rows, 0, 0, device=device),
-        pending_valid=empty, pending_positions=empty.long(), pending_tokens=empty.long(), prompts_queued=True,
+        pending_valid=empty, pending_positions=empty.long(), pending_tokens=empty.long(),
     )
 
 

@@ -83,9 +83,6 @@ class BatchRows:
     # Storage with spare columns that `pending` is a prefix of: rounds that leave the drafter idle append their
     # features in place instead of copying the whole queue (a prompt's features included) every step.
     _pending_storage: torch.Tensor | None = field(default=None, repr=False)
-    # Whether the queue holds prompts no drafter pass took yet (a batch that started together): a pass then catches
-    # up on them all, several rounds' cost, which a probe of the drafter should not spend.
-    prompts_queued: bool = False
 
     _PER_ROW = ("request", "anchor", "target_valid", "target_length", "draft_valid", "pending", "pending_valid",
                 "pending_positions", "pending_tokens")
@@ -147,7 +144,6 @@ class BatchRows:
             return
         blocks = (self, *others)
         counts = [len(block) for block in blocks]
-        self.prompts_queued = any(block.prompts_queued for block in blocks)
         self.request_ids = [r for block in blocks for r in block.request_ids]
         for name in ("request", "anchor", "target_length"):
             setattr(self, name, torch.cat([getattr(block, name) for block in blocks]))
@@ -215,4 +211,3 @@ class BatchRows:
         self.pending, self.pending_valid = self.pending[:, :0], self.pending_valid[:, :0]
         self.pending_positions, self.pending_tokens = self.pending_positions[:, :0], self.pending_tokens[:, :0]
         self._pending_storage = None  # what was queued may still be read by whoever took it: never overwrite it
-        self.prompts_queued = False

@@ -366,8 +366,7 @@ class SpeculativeEngine:
         sampling = self._row_sampling(request_ids)
         # Every round emits at least one token, so a row drafts at most (tokens left - 1).
         budgets = [max(0, min(self.gamma, q.max_new_tokens - q.emitted - 1)) for q in requests]
-        plan = self.round_policy.plan(request_ids, requests, budgets, drafter_possible=max(budgets) > 0,
-                                  explore=not rows.prompts_queued)
+        plan = self.round_policy.plan(request_ids, requests, budgets, drafter_possible=max(budgets) > 0)
         # A pass that catches up on more context than a round commits (the prompts of a batch that started
         # together, or many plain rounds) costs what later rounds do not: not timed, as at batch 1.
         draft_timed = rows.pending.shape[1] <= self.gamma + 1

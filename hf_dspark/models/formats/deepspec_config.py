@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from transformers import AutoConfig
 
-from ..config_checks import BOOLEAN, FROM_WEIGHTS, built_naming, check_config_fields, flag, integer, list_of
+from ..config_checks import (BOOLEAN, FROM_TARGET, FROM_WEIGHTS, built_naming, check_config_fields, flag, integer,
+                             list_of)
 from ..configuration_dspark import DSparkDraftConfig
 from ..configuration_eagle3 import Eagle3DraftConfig
 from ..errors import DrafterLoadError
@@ -35,6 +36,10 @@ DEEPSPEC_RULES = {
     "eagle_aux_hidden_state_layer_ids": (list_of(integer(0), "hidden_states indices", optional=True),
                                          "write target_layer_ids + 1, or delete the field"),
     "use_sliding_window": (flag(optional=True), BOOLEAN),
+    # a copy of the target's config always has both (hf_dspark's own configs may leave them to defaults)
+    "head_dim": (integer(1), FROM_TARGET),
+    "target_layer_ids": (list_of(integer(-1), "target layer indices (0, 1, ...; -1 for the embedding output)"),
+                         "list the target layers the drafter was trained to read"),
 }
 TARGET_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                        "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "attention_bias")
@@ -217,7 +222,7 @@ def dspark_config(config: dict, source: str = "checkpoint", *, zero_markov_head:
     config = _read(config, source, DSPARK_ARCHITECTURE)
     rank = int(config.get("markov_rank") or 0)
     head_type = config.get("markov_head_type", "vanilla")
-    if rank and head_type not in MARKOV_TYPES:
+    if rank and (not isinstance(head_type, str) or head_type not in MARKOV_TYPES):
         raise DrafterLoadError(f"{source} has markov_head_type={head_type!r}; DeepSpec's heads are "
                                f"{sorted(MARKOV_TYPES)}, which hf_dspark reads. Another head needs its own support.")
     confidence = bool(_flag(config, "enable_confidence_head", source))

@@ -83,9 +83,8 @@ def load(folder: Path, config: dict):
     runtime = _runtime_drafts(config, nested, ours.num_draft_slots, source)
     weights = read_checkpoint_tensors(folder, "LFM2.5 DSpark drafter", FIX)
     state = our_state(weights, ours, with_markov)
-    if not neox:
-        state = interleaved_to_split_half(state, ours)
-    drafter = built(folder, ours, state, "LFM2.5 DSpark drafter", FIX)
+    reorder = (lambda state: state) if neox else (lambda state: interleaved_to_split_half(state, ours))
+    drafter = built(folder, ours, state, "LFM2.5 DSpark drafter", FIX, prepare=reorder)  # head_dim checked first
     if runtime is not None:
         drafter.generation_config.num_assistant_tokens = runtime
     return drafter
@@ -128,7 +127,8 @@ def _runtime_drafts(config: dict, nested: dict, slots: int, source: str) -> int 
 
 def interleaved_to_split_half(state: dict, config) -> dict:
     """The query / key projections (rows, and biases) and q/k norms of every layer with each head's channels
-    reordered [0, 2, ..., d-2, 1, 3, ..., d-1]: interleaved rotary pairs become split-half ones (module docstring)."""
+    reordered [0, 2, ..., d-2, 1, 3, ..., d-1]: interleaved rotary pairs become split-half ones (module docstring).
+    The order is built from `config.head_dim`: call it once the state is known to fit the config (`built`)."""
     head_dim = config.head_dim
     order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
     state = dict(state)

@@ -152,12 +152,14 @@ def our_state(weights: dict, ours: DSparkDraftConfig, confidence_with_markov: bo
 
 
 def built(folder: Path, ours: DSparkDraftConfig, state: dict, what: str, fix: str,
-          stored_name=lambda name: name) -> DSparkDraftModel:
+          stored_name=lambda name: name, prepare=lambda state: state) -> DSparkDraftModel:
     """The drafter, once every stored tensor fits the config (names and shapes, on the meta device first), loaded
-    strictly, float32, in eval mode."""
+    strictly, float32, in eval mode. `prepare(state)` rewrites the fitting tensors before they load (a reordering
+    that allocates by the config's sizes runs only once those are known to be the weights')."""
     theirs = {ours_name: their_name for their_name, ours_name in HEAD_NAMES.items()}
     check_fits_before_building(DSparkDraftModel, ours, state, folder, what, fix,
                                stored_name=lambda name: stored_name(theirs.get(name, name)))
+    state = prepare(state)
     drafter = DSparkDraftModel(ours)
     drafter.load_state_dict({n: t.float() if t.is_floating_point() else t for n, t in state.items()}, strict=True)
     return drafter.float().eval()

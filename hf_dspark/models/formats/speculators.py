@@ -141,6 +141,9 @@ def _layer_config(config: dict, kind: str, source) -> PreTrainedConfig:
         raise _refuse(source, "transformer_layer_config", "is missing: it holds the drafter's layer sizes (a "
                       "speculators checkpoint always writes it).")
     model_type = raw.get("model_type", "qwen3")  # speculators' default layer config class is Qwen3Config
+    if not isinstance(model_type, str):
+        raise _refuse(source, "transformer_layer_config.model_type", f"is {model_type!r}, not a string naming the "
+                      "transformers model type of the drafter's layers (e.g. 'qwen3').")
     if kind == "eagle3" and model_type not in ("llama", "qwen3"):
         raise _refuse(source, "transformer_layer_config.model_type", f"is {model_type!r}; speculators builds Eagle3 "
                       "layers only for 'llama' and 'qwen3', so this checkpoint is not one it writes.")
@@ -219,7 +222,7 @@ def _block_drafter(settings: dict, shapes: dict, weights: dict, source):
     rank = int(settings["markov_rank"]) if is_dspark else 0
     head_type = settings["markov_head_type"] if is_dspark else None
     confidence = bool(settings["enable_confidence_head"]) if is_dspark else False
-    if rank and head_type not in _HEAD_TYPES:
+    if rank and (not isinstance(head_type, str) or head_type not in _HEAD_TYPES):
         raise _refuse(source, "markov_head_type", f"is {head_type!r}; speculators' heads are {list(_HEAD_TYPES)}.")
     if confidence and settings["confidence_head_with_markov"] and not rank:
         raise _refuse(source, "confidence_head_with_markov", "is true with markov_rank 0, which speculators refuses.")

@@ -26,11 +26,13 @@ the DSA indexer `index_topk`); no publisher config field or converter names the 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 from ..config_checks import MAX_BLOCK_SIZE, choice, integer, list_of, refusal
 from ..errors import DrafterLoadError
+from ..folder_files import checked_file
 from ..weight_files import SAFE_WEIGHTS_NAME, indexed_weight_map, stored_tensor_headers
 
 FORMAT = "target_mtp"
@@ -84,9 +86,10 @@ def module_tensors(folder: Path, prefix: str, what: str) -> tuple[list[str], lis
     weight_map = indexed_weight_map(folder, what)
     if weight_map is None:
         single = folder / SAFE_WEIGHTS_NAME
-        if not single.is_file():
+        if not os.path.lexists(single):
             raise DrafterLoadError(f"{folder} has neither model.safetensors.index.json nor model.safetensors; "
                                    "hf_dspark reads a target's drafter module from safetensors only.")
+        checked_file(single, folder, DrafterLoadError)  # a link out of the folder is never opened
         weight_map = {name: single for name in stored_tensor_headers([str(single)])}
     names = sorted(name for name in weight_map if name.startswith(prefix))
     shards = sorted({weight_map[name].name for name in names})
