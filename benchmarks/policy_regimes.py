@@ -185,69 +185,29 @@ def run_cells(results: dict) -> None:
 
 
 def simulate_cells(results: dict) -> None:
-    """The same cells on a GPU-shaped curve, the policy's own classes at work (see the module)."""
-    from hf_dspark.evaluation.simulation import gpu_like_costs
-    from hf_dspark.policy import planner as planner_module
-    from hf_dspark.policy.acceptance import ConfidenceShift, SlotAcceptance
-    from hf_dspark.policy.costs import CostModel
-    from hf_dspark.policy.length_rule import DraftLengthRule, resolve_verification_policy
+    """The same cells on a GPU-shaped curve: `evaluation.simulation.simulate_policy`, the policy's own classes at
+    work, prices learnt from the simulated seconds, the head's confidences from a Beta model around an even chance."""
+    from hf_dspark.evaluation.simulation import ConfidenceModel, gpu_like_costs, simulate_policy
 
     table, draft_seconds = gpu_like_costs()
-    gamma = 7
+    model = ConfidenceModel([0.5] * 7, concentration=2.0)
     cells = results.setdefault("simulation", {})
-
-    class Clock:
-        now = 0.0
-
-        def perf_counter(self):
-            return self.now
-
-    clock = Clock()
-    planner_module.time = clock
     for form in forms:
         for acceptance in acceptances:
+            mapping = confidence_map(form, acceptance, 0.0) or (lambda c, a=acceptance: torch.full_like(c, a))
             for rows in rows_list:
                 rates = {}
                 for method in METHODS:
-                    generator = torch.Generator().manual_seed(rows)
                     settings = method_settings(method)
-                    costs, shift = CostModel(), ConfidenceShift()
-                    planning = settings is not None and settings.get("dspark_round_planning", True)
-                    policy = planner_module.RoundPolicy(gamma, planning=planning, costs=costs,
-                                                        drafter_acceptance=SlotAcceptance.empty(gamma),
-                                                        calibration=shift)
-                    name, arg = resolve_verification_policy(
-                        None if settings is None else settings.get("dspark_verification_policy"),
-                        has_confidence=True)
-                    rule = DraftLengthRule(name, arg, costs=costs, calibration=shift)
-                    mapping = confidence_map(form, acceptance, 0.0)
-                    tokens, started = 0, clock.now
-                    for _ in range(args.simulated_rounds):
-                        if settings is None:
-                            clock.now += table.round_seconds(rows) - table.draft_seconds
-                            tokens += rows
-                            continue
-                        texts = [type("T", (), {"tokens": []})() for _ in range(rows)]
-                        plan = policy.plan(list(range(rows)), texts, [gamma] * rows)
-                        budget = torch.tensor(plan.lengths)
-                        # The head's confidences: logit-normal around 0 (a spread like a real head's).
-                        confidences = torch.sigmoid(torch.randn(rows, gamma, generator=generator) * 1.5)
-                        lengths = rule.lengths(confidences, budget) if plan.use_drafter else budget
-                        if plan.use_drafter:
-                            clock.now += draft_seconds(rows, gamma)
-                        verify_started = clock.now
-                        width = int(lengths.max()) + 1
-                        clock.now += table.round_seconds(rows * width) - table.draft_seconds
-                        chance = mapping(confidences) if mapping is not None else torch.full_like(confidences,
-                                                                                                   acceptance)
-                        hits = torch.rand(rows, gamma, generator=generator) < chance
-                        in_prefix = torch.arange(gamma)[None, :] < lengths[:, None]
-                        accepted = (hits & in_prefix).long().cumprod(1).sum(1)
-                        tokens += int(accepted.sum()) + rows
-                        verified = [confidences[r, : int(lengths[r])].tolist() for r in range(rows)]
-                        policy.record(plan, list(range(rows)), lengths.tolist(), accepted.tolist(), width,
-                                      verify_started, True, verified)
-                    rates[method] = tokens / (clock.now - started)
+                    if settings is None:
+                        policy, arg = "plain", None
+                    else:
+                        chosen = settings.get("dspark_verification_policy", ("scheduler", None))
+                        policy, arg = (chosen, None) if isinstance(chosen, str) else chosen
+                    result = simulate_policy(policy, arg, requests=rows, rounds=args.simulated_rounds,
+                                             confidence_model=model, costs=table, draft_seconds=draft_seconds,
+                                             seed=rows, planning=method == "defaults", acceptance=mapping)
+                    rates[method] = result.aggregate_tokens_per_second
                 others = {m: v for m, v in rates.items() if m != "defaults"}
                 hindsight = max(others, key=others.get)
                 cells[f"{form}/{acceptance}/{rows}"] = {

@@ -17,7 +17,7 @@ from hf_dspark.models.loading import load_drafter, resolve_device
 from hf_dspark.targets.loading import load_target
 from hf_dspark.evaluation.profiling import profile_verification_costs
 from hf_dspark.policy import VerificationCostTable
-from hf_dspark.models.cost_table import verification_shape
+from hf_dspark.evaluation.profiling import verification_shape
 from conftest import VOCAB, prompts, tiny_drafter, tiny_target
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -312,7 +312,7 @@ def test_a_table_for_r_rows_times_forwards_of_r_rows(rows):
 def test_a_burst_of_other_load_does_not_bend_the_table(monkeypatch):
     """Other work on the machine (a burst slowing a few consecutive forwards) must not inflate the sizes it meets:
     the planner reads the table's shape. Timed round-robin, each size meets at most one slow repeat of five."""
-    from hf_dspark.policy import cost_table
+    from hf_dspark.evaluation import profiling as cost_table
 
     target = tiny_target("llama")
     clock = {"now": 0.0, "timed_calls": 0}

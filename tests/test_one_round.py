@@ -16,7 +16,8 @@ from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.generation.one_prompt import loop as decoding
 from hf_dspark.generation.one_prompt import proposers as candidates
 from hf_dspark.generation.round import drafting, stopping, verification
-from hf_dspark.policy import planner, suffix
+from hf_dspark.models import suffix
+from hf_dspark.policy import planner
 from hf_dspark.policy.acceptance import SuffixAcceptance
 from hf_dspark.policy.planner import RoundPolicy
 from hf_dspark.policy.length_rule import DraftLengthRule

@@ -54,16 +54,17 @@ def load_drafters(named: dict[str, str], target, schedule: bool, target_name: st
     `LABEL+schedule`, what `hf-dspark generate` runs by default: the cost table priced per round (draft length from
     the confidences, plain steps when drafting cannot pay) with the checkpoint's own suffix-drafting setting."""
 
-    def loaded(path: str, suffix_drafting: bool | None):
+    def loaded(path: str, suffix_drafting: bool | None, planning: bool = True):
         drafter = load_drafter(path, target.dtype)
         drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
         if suffix_drafting is not None:  # None keeps the checkpoint's own setting
             drafter.generation_config.dspark_suffix_drafting = suffix_drafting
+        drafter.generation_config.dspark_round_planning = planning
         return drafter
 
     drafters = {}
     for label, path in named.items():
-        drafters[label] = loaded(path, suffix_drafting=False)
+        drafters[label] = loaded(path, suffix_drafting=False, planning=False)
         if schedule:
             drafters[f"{label}+suffix"] = loaded(path, suffix_drafting=True)
             scheduled = loaded(path, suffix_drafting=None)

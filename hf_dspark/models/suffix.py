@@ -62,9 +62,12 @@ class SuffixProposer:
         self.acceptance = acceptance
         self._watched: list[tuple[int, list[int], int]] = []  # (text length when proposed, proposal, match length)
 
-    def propose(self, limit: int) -> tuple[list[int], int]:
+    def propose(self, limit: int, text: list[int] | None = None) -> tuple[list[int], int]:
         """The continuation of the text's longest earlier-seen suffix, at most `limit` tokens, and the match length
-        ([], 0) without one; it is scored once the text that follows it is known."""
+        ([], 0) without one; it is scored once the text that follows it is known. `text`: the whole text so far, of
+        which the tokens not given yet are appended first."""
+        if text is not None and len(text) > len(self.index.tokens):
+            self.extend(text[len(self.index.tokens) :])
         proposal, match = self.index.propose(limit)
         if proposal:
             self._watched.append((len(self.index.tokens), proposal, match))

@@ -21,14 +21,11 @@ import torch
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 1.0
 
 
-def _beta_draw(rng: random.Random, accepted: float, rejected: float) -> float:
-    return rng.betavariate(max(accepted, 1e-6), max(rejected, 1e-6))
-
-
 @dataclass
 class SlotAcceptance:
     """Decayed counts, per draft slot j, of rounds that reached slot j (its drafts before it accepted) and of those
-    that accepted it. `decay` forgets old rounds: a workload changes, and the posterior must be able to follow."""
+    that accepted it. `decay` weighs about the last fifty rounds: long enough for a posterior that seldom asks for a
+    round that does not pay, short enough to follow a new workload."""
 
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
@@ -52,20 +49,19 @@ class SlotAcceptance:
             self.reached[slot] = self.decay * self.reached[slot] + 1.0
             self.accepted[slot] = self.decay * self.accepted[slot] + (1.0 if slot < accepted else 0.0)
 
-    def _posterior(self, slots: int, prior: list[float] | None):
+    def _posterior(self, slots: int):
+        """Per slot, the Beta posterior's (accepted, rejected) pseudo-counts."""
         self.cover(slots)
         for slot in range(slots):
-            rate = prior[slot] if prior is not None and slot < len(prior) else PRIOR_RATE
-            accepted = self.accepted[slot] + PRIOR_WEIGHT * rate
+            accepted = self.accepted[slot] + PRIOR_WEIGHT * PRIOR_RATE
             yield accepted, self.reached[slot] + PRIOR_WEIGHT - accepted
 
-    def means(self, slots: int, prior: list[float] | None = None) -> list[float]:
-        """Posterior mean rates of the first `slots` slots; `prior` per slot (else an even chance)."""
-        return [a / (a + r) for a, r in self._posterior(slots, prior)]
+    def means(self, slots: int) -> list[float]:
+        return [a / (a + r) for a, r in self._posterior(slots)]
 
-    def draws(self, slots: int, rng: random.Random, prior: list[float] | None = None) -> list[float]:
+    def draws(self, slots: int, rng: random.Random) -> list[float]:
         """One Thompson draw of the first `slots` slots' rates."""
-        return [_beta_draw(rng, a, r) for a, r in self._posterior(slots, prior)]
+        return [rng.betavariate(max(a, 1e-6), max(r, 1e-6)) for a, r in self._posterior(slots)]
 
 
 @dataclass
@@ -80,17 +76,9 @@ class SuffixAcceptance:
     accepted: dict[int, float] = field(default_factory=dict)
     reached: dict[int, float] = field(default_factory=dict)
 
-    def _posterior(self, match_length: int) -> tuple[float, float]:
-        accepted = self.accepted.get(match_length, 0.0) + self.prior_accepted
-        reached = self.reached.get(match_length, 0.0) + self.prior_accepted + self.prior_rejected
-        return accepted, reached - accepted
-
     def rate(self, match_length: int) -> float:
-        accepted, rejected = self._posterior(match_length)
-        return accepted / (accepted + rejected)
-
-    def draw(self, match_length: int, rng: random.Random) -> float:
-        return _beta_draw(rng, *self._posterior(match_length))
+        accepted = self.accepted.get(match_length, 0.0) + self.prior_accepted
+        return accepted / (self.reached.get(match_length, 0.0) + self.prior_accepted + self.prior_rejected)
 
     def record(self, match_length: int, proposed: int, accepted: int) -> None:
         """A proposal of `proposed` tokens after a match of `match_length` had its first `accepted` accepted."""

@@ -13,9 +13,8 @@ the first width that does not raise it**. After drafting that early stop is what
 slot j is verified depends on the survivals up to slot j only, S[., j] = c_1 ... c_j, which do not depend on the
 token drafted at slot j (the confidence c_{j+1} does: a rule that looked further, such as the global best over all
 widths, verifies slot j *because* its draft made the next confidence high, and biases the output; `early_stop=False`
-keeps that rule for the tests that show it). At one row this is the DSpark paper's rule: positions ranked by
-survival, admitted while throughput rises. Before drafting the same rule runs on estimated survivals
-(`planner.RoundPolicy`) and also decides whether the drafter runs at all.
+keeps that rule for the tests that show it). At one row this is the DSpark paper's rule. Before drafting the same
+rule runs on estimated survivals (`planner.RoundPolicy`, on the host).
 """
 
 from __future__ import annotations

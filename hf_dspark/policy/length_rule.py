@@ -1,11 +1,7 @@
-"""How many drafts a round verifies after drafting: the `dspark_verification_policy` setting.
-
-`DraftLengthRule` is the one draft-length rule of every batch size (the batch-1 loop and the batched engine call
-it alike, on the device, after all slots are drafted): each row verifies its drafted slots up to a length decided
-from the conditional confidences c_1..c_k alone (never from the drafted tokens' verification), so the output
-distribution is untouched. The default, for a drafter with a confidence head, is the admission rule
-(`admission.DSparkScheduler`) priced by the loop's own cost model; the others are fixed rules a user may choose.
-"""
+"""How many drafts a round verifies after drafting (`dspark_verification_policy`), at every batch size, on the
+device: up to a length decided from the confidences c_1..c_k alone, so the output distribution is untouched. The
+default for a drafter with a confidence head is the admission rule (`admission.DSparkScheduler`) on the loop's own
+prices; the others are fixed rules a user may choose."""
 
 from __future__ import annotations
 
@@ -38,9 +34,8 @@ class DraftLengthRule:
         if policy == "fixed" and not (isinstance(policy_arg, int) and policy_arg >= 0):
             raise ValueError(f"policy 'fixed' takes the number of slots to verify (an int >= 0), got {policy_arg!r}.")
         if policy == "threshold" and not (isinstance(policy_arg, (int, float)) and policy_arg >= 0):
-            raise ValueError(
-                f"policy 'threshold' takes a survival threshold >= 0 (above 1 verifies no drafts), got {policy_arg!r}."
-            )
+            raise ValueError(f"policy 'threshold' takes a survival threshold >= 0 (above 1 verifies no drafts), got "
+                             f"{policy_arg!r}.")
         if policy == "scheduler" and policy_arg is None:  # the admission rule on the loop's own prices
             policy_arg = DSparkScheduler(costs if costs is not None else CostModel(), calibration=calibration)
         if policy == "scheduler" and not hasattr(policy_arg, "select_lengths"):
@@ -66,20 +61,21 @@ class DraftLengthRule:
         return self.policy_arg.select_lengths(confidences, max_lengths=budget)
 
 
-def resolve_verification_policy(policy=None, *, has_confidence: bool, confidence_threshold: float | None = None) -> tuple[str, object]:
+def resolve_verification_policy(policy=None, *, has_confidence: bool, planning: bool = True, confidence_threshold: float | None = None) -> tuple[str, object]:
     """`(policy, policy_arg)` of the `dspark_verification_policy` setting.
 
     `None` (the default) derives it from the other settings, so one drafter behaves alike at every batch size:
     `("threshold", confidence_threshold)` when a threshold is set and the drafter has a confidence head, else the
     admission rule (`("scheduler", None)`: a `DSparkScheduler` on the loop's own cost model, which a table given as
-    `dspark_cost_table` starts) when it has one, else `"all"`. Otherwise it may be a policy name (`"all"`,
+    `dspark_cost_table` starts) when it has one and the policy plans rounds (`planning`; without it, every drafted
+    slot is verified), else `"all"`. Otherwise it may be a policy name (`"all"`,
     `"scheduler"`), a `(policy, policy_arg)` pair such as `("fixed", 2)` or `("threshold", 0.4)`, or a scheduler
     object (anything with `select_lengths`).
     """
     if policy is None:
         if has_confidence and confidence_threshold is not None:
             return "threshold", confidence_threshold
-        return ("scheduler", None) if has_confidence else ("all", None)
+        return ("scheduler", None) if has_confidence and planning else ("all", None)
     if isinstance(policy, str):
         return policy, None
     if hasattr(policy, "select_lengths"):

@@ -44,29 +44,6 @@ class RoundPlan:
         return max(self.lengths, default=0) + 1
 
 
-def _prefix(survival: list[float], count: int) -> float:
-    """Expected accepted tokens among the first `count` of a proposal with these survivals."""
-    return sum(survival[:count])
-
-
-class _Request:
-    """One request's suffix proposer over its text (prompt and output) and this round's proposal."""
-
-    def __init__(self, acceptance: SuffixAcceptance | None):
-        self.suffix = SuffixProposer(acceptance) if acceptance is not None else None
-        self.seen = 0
-        self.proposal: list[int] = []
-        self.match = 0
-
-    def propose(self, tokens: list[int], budget: int) -> None:
-        self.proposal, self.match = [], 0
-        if self.suffix is not None and budget > 0:
-            if len(tokens) > self.seen:
-                self.suffix.extend(tokens[self.seen :])
-                self.seen = len(tokens)
-            self.proposal, self.match = self.suffix.propose(budget)
-
-
 class RoundPolicy:
     """A loop's policy: `plan` before each round, `record` after it (see the module).
 
@@ -85,20 +62,21 @@ class RoundPolicy:
 
     def __init__(self, slots: int, *, planning: bool, costs: CostModel,
                  suffix_acceptance: SuffixAcceptance | None = None, drafter_acceptance: SlotAcceptance | None = None,
-                 drafter: bool = True, seed: int = 0, calibration: ConfidenceShift | None = None,
-                 clock=None):
-        self.slots, self.planning, self.costs, self.drafter = slots, planning, costs, drafter
+                 seed: int = 0, calibration: ConfidenceShift | None = None, clock=None):
+        self.slots, self.planning, self.costs = slots, planning, costs
         self.suffix_acceptance = suffix_acceptance
         self.acceptance = drafter_acceptance if drafter_acceptance is not None else SlotAcceptance.empty(slots)
         self.acceptance.cover(slots)
         self.rng = random.Random(seed)
         self.calibration = calibration
         self.clock = clock if clock is not None else time.perf_counter
-        self.requests: dict[int, _Request] = {}
+        self.requests: dict[int, SuffixProposer] = {}  # each request's suffix proposer over its text
+        self.proposals: dict[int, tuple[list[int], int]] = {}  # this round's suffix proposals (tokens, match)
         self._started = 0.0
 
     def forget(self, request_id: int) -> None:
         self.requests.pop(request_id, None)
+        self.proposals.pop(request_id, None)
 
     def plan(self, request_ids: list[int], requests, budgets: list[int], drafter_possible: bool = True,
              explore: bool = True) -> RoundPlan:
@@ -107,19 +85,21 @@ class RoundPolicy:
         self._started = self.clock()
         rows = len(budgets)
         if not self.planning:
-            drafting = drafter_possible and self.drafter and max(budgets, default=0) > 0
+            drafting = drafter_possible and max(budgets, default=0) > 0
             return RoundPlan(drafting, [DRAFTER if drafting and b > 0 else NO_DRAFT for b in budgets],
                              list(budgets) if drafting else [0] * rows)
         widest = max(budgets, default=0)
         suffix = []  # per row, the survivals of its suffix proposal's tokens
         for request_id, request, budget in zip(request_ids, requests, budgets):
-            own = self.requests.setdefault(request_id, _Request(self.suffix_acceptance))
-            own.propose(request.tokens, budget)
-            rate = self.suffix_acceptance.rate(own.match) if own.proposal else 0.0
-            suffix.append(survivals([rate] * len(own.proposal)))
+            proposal, match = [], 0
+            if self.suffix_acceptance is not None and budget > 0:
+                proposer = self.requests.setdefault(request_id, SuffixProposer(self.suffix_acceptance))
+                proposal, match = proposer.propose(budget, request.tokens)
+            self.proposals[request_id] = proposal, match
+            suffix.append(survivals([self.suffix_acceptance.rate(match)] * len(proposal)) if proposal else [])
         prices = self.costs.forward_prices(rows, widest + 1)
         best = self._best(suffix, None, budgets, prices, 0.0)
-        if drafter_possible and self.drafter and widest:
+        if drafter_possible and widest:
             rates = self.acceptance.draws(widest, self.rng) if explore else self.acceptance.means(widest)
             drafted = [survivals(rates[:budget]) for budget in budgets]
             candidate = self._best(suffix, drafted, budgets, prices, self.costs.draft_seconds(rows))
@@ -129,18 +109,15 @@ class RoundPolicy:
 
     def _best(self, suffix, drafted, budgets, prices, draft_seconds: float) -> RoundPlan:
         """The admitted round when each row takes its better proposer at each width (`drafted` None: no drafter)."""
-        expected = [float(len(budgets))]
-        for slot in range(len(prices) - 1):  # each width adds every row's next slot of its better proposer
-            expected.append(expected[-1] + sum(
-                max(_prefix(suffix[row], slot + 1), _prefix(drafted[row], slot + 1) if drafted else 0.0)
-                - max(_prefix(suffix[row], slot), _prefix(drafted[row], slot) if drafted else 0.0)
-                for row in range(len(budgets))))
-        seconds = [price + draft_seconds for price in prices]
-        width = first_drop(expected, seconds)
+        def gains(row: int, count: int) -> tuple[float, float]:  # a row's expected accepted tokens by proposer
+            return sum(suffix[row][:count]), sum(drafted[row][:count]) if drafted else 0.0
+
+        expected = [len(budgets) + sum(max(gains(row, count)) for row in range(len(budgets)))
+                    for count in range(len(prices))]  # at width count + 1, each row by its better proposer
+        width = first_drop(expected, [price + draft_seconds for price in prices])
         sources, lengths = [], []
         for row, budget in enumerate(budgets):
-            by_suffix = _prefix(suffix[row], width - 1)
-            by_drafter = _prefix(drafted[row], width - 1) if drafted else 0.0
+            by_suffix, by_drafter = gains(row, width - 1)
             if by_drafter > by_suffix:
                 sources.append(DRAFTER)
                 lengths.append(min(width - 1, budget))
@@ -177,5 +154,5 @@ class RoundPolicy:
 
     def suffix_rows(self, plan: RoundPlan, request_ids: list[int]) -> dict[int, list[int]]:
         """Row -> the tokens its suffix proposal verifies this round."""
-        return {row: self.requests[request_id].proposal[: plan.lengths[row]]
+        return {row: self.proposals[request_id][0][: plan.lengths[row]]
                 for row, (request_id, source) in enumerate(zip(request_ids, plan.sources)) if source == SUFFIX}

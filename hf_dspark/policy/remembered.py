@@ -1,14 +1,8 @@
 """What `generate()` calls without `dspark_state=` learn into: one `DraftingState` per drafter, target, device, dtype
-and thread count, kept while the drafter and the target live. A later call then starts from what earlier ones
-measured: this machine's round costs (a plain step, each verification width, the drafter's pass) and how often suffix
-proposals are accepted, instead of spending its first rounds measuring them again (plain steps, then probes that
-do not pay).
-
-Outputs never depend on it: a round's plan reads only earlier rounds, and the verifier keeps every output the
-target's whatever is verified. Speed alone does. A call that finds the state in use (another thread generating with
-the same drafter and target) learns into a fresh one, so no state is ever shared by two running calls. Pass
-`dspark_state=DraftingState()` for a call that starts fresh, or one state of your own to choose what calls share.
-A `SpeculativeEngine` built directly holds its drafter's state for its whole life (`hold_remembered_state`).
+and thread count, kept while the drafter and the target live, so a later call starts from this machine's prices and
+the acceptance earlier calls measured instead of measuring them again. Outputs never depend on it (a plan reads only
+earlier rounds; the verifier keeps every output the target's). A call that finds the state in use (another thread)
+learns into a fresh one; a `SpeculativeEngine` built directly holds its drafter's state while it lives.
 """
 
 from __future__ import annotations

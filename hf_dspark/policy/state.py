@@ -12,30 +12,24 @@ from ..models.errors import UserInputError
 from ..models.json_files import read_json
 from .acceptance import ConfidenceShift, SlotAcceptance, SuffixAcceptance
 
-# Per slot and round: the drafter's acceptance weighs about the last fifty rounds that reached the slot, long
-# enough for a posterior that rarely asks for a round that does not pay, short enough to follow a new workload.
-DRAFTER_MEMORY_DECAY = 0.98
 # Decayed counts never exceed 1 / (1 - decay); a saved count beyond this is not one this code wrote.
 _MAX_COUNT = 1e6
 
 @dataclass
 class ProposalStatistics:
     """What earlier rounds taught that later calls, and later processes, start from: how often suffix proposals are
-    accepted per match length (text that repeats itself is a habit of the workload, not of one call), and how often
-    the drafter's slots are accepted (`drafter`, slowly decayed). What the drafter's drafts achieve is learnt afresh
-    by each call, whose prompts are its own: `drafter` is only its prior, one observation's weight per slot."""
+    accepted per match length and how often the drafter's slots are (the policy's estimates, which loops learn into)."""
 
     suffix: SuffixAcceptance = field(default_factory=SuffixAcceptance)
-    drafter: SlotAcceptance = field(default_factory=lambda: SlotAcceptance(decay=DRAFTER_MEMORY_DECAY))
+    drafter: SlotAcceptance = field(default_factory=SlotAcceptance)
 
 
 @dataclass
 class DraftingState:
     """What rounds learn and later calls start from: `statistics`, and the round costs measured on this machine
     (`round_costs`: a `policy.costs.CostModel` per cost-table setting) and how the drafter's confidences read here
-    (`confidence_shift`), both in memory only. A `generate()` call or a
-    `SpeculativeEngine` without a state of its own learns into its drafter's own state for that target, device,
-    dtype and thread count (`policy.remembered`); pass one to choose what calls share, at every batch size.
+    (`confidence_shift`), both in memory only. A `generate()` call or a `SpeculativeEngine` without a state of its own
+    learns into its drafter's own state for that target, device, dtype and thread count (`policy.remembered`).
     `reset()` forgets everything, `save(path)` / `DraftingState.load(path)` keep `statistics` across processes
     (JSON)."""
 
@@ -101,7 +95,7 @@ def _checked_drafter(saved, check: "_StateCheck", source: str) -> SlotAcceptance
     """The drafter's slot acceptance: a decay in [0, 1] and two lists of as many counts, none accepted more often
     than reached."""
     drafter = _checked_fields(saved, SlotAcceptance, "drafter.", source)
-    decay = check.number(drafter, "drafter.decay", 0.0, high=1.0, default=DRAFTER_MEMORY_DECAY)
+    decay = check.number(drafter, "drafter.decay", 0.0, high=1.0, default=SlotAcceptance().decay)
     counts = {}
     for name in ("reached", "accepted"):
         values = drafter.get(name, [])

@@ -45,7 +45,7 @@ class DraftingPlan:
         settings = DraftingSettings.resolve(drafter, call_settings)
         has_confidences = drafter_has_confidences(drafter)
         policy, policy_arg = resolve_verification_policy(
-            settings.verification_policy, has_confidence=has_confidences,
+            settings.verification_policy, has_confidence=has_confidences, planning=settings.round_planning,
             confidence_threshold=settings.assistant_confidence_threshold)
         if policy in CONFIDENCE_POLICIES and not has_confidences:
             # The same refusal at every batch size (a rule that reads confidences would otherwise verify every slot
