@@ -15,6 +15,8 @@ to find). A plain step (one token) has no position to force, so plain decoding i
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -60,6 +62,7 @@ class AcceptanceOracle:
         logits = getattr(output, "logits", None)
         if input_ids is None or logits is None:
             return None
+        started = time.perf_counter()
         length, kept = input_ids.shape[1], logits.shape[1]
         first = length - kept  # input position of the first kept logit
         forceable = length - 1 - first  # kept positions that have a next input token
@@ -76,4 +79,8 @@ class AcceptanceOracle:
             self._positions.append(hit.numel())
             self._forced.append(hit.sum())
             self._undone.append((agrees & ~hit).sum())
+        if self.clock is not None:
+            if logits.device.type == "cuda":
+                torch.cuda.synchronize(logits.device)
+            self.clock.add("oracle", time.perf_counter() - started)
         return None

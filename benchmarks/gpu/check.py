@@ -34,6 +34,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oracle import AcceptanceOracle  # noqa: E402  (benchmarks/oracle.py: the same oracle as the CPU benchmarks)
+
 # ---------------------------------------------------------------------------------------------------------------------
 # What is measured where
 # ---------------------------------------------------------------------------------------------------------------------
@@ -184,68 +187,6 @@ def parameter_count(model) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # The oracle and the phase clock
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-class AcceptanceOracle:
-    """Forces a chosen acceptance on a random-weight target.
-
-    A forward hook on the causal LM sees the forward's `input_ids` t_0..t_k (a verification: the anchor and the
-    drafts) and its logits; with probability `acceptance`, independently per position i < k, it raises the logit of
-    t_{i+1} at position i just above the row's maximum, so the target's argmax there is t_{i+1}; otherwise it leaves
-    the logits as they are, unless the random target happens to agree with the draft by itself (small random models
-    often do: both lean on the shared embedding and LM head), in which case it lowers that one logit below the row's
-    minimum. Greedy verification then accepts each draft with conditional probability exactly `acceptance`, and
-    everything else in the loop is its real code. With `logits_to_keep`, the kept logits are the last ones, aligned
-    to the last inputs. `counts()` says how many positions it forced and how many natural agreements it undid.
-    """
-
-    def __init__(self, target, acceptance: float, seed: int = 0):
-        if not 0.0 <= acceptance <= 1.0:
-            raise ValueError(f"acceptance must be a probability in [0, 1], got {acceptance}")
-        self.target, self.acceptance = target, acceptance
-        self.generator = torch.Generator(device=target.device).manual_seed(seed)
-        self.clock: PhaseTimer | None = None  # when set, the rewrite's own seconds go to its "oracle" phase
-        self._handle = None
-        self._positions, self._forced, self._undone = [], [], []  # device tensors, read once at the end
-
-    def counts(self) -> dict[str, int]:
-        total = lambda values: int(sum(v.sum() for v in values)) if values else 0  # noqa: E731
-        return {"positions": sum(self._positions), "forced": total(self._forced),
-                "natural_agreements_undone": total(self._undone)}
-
-    def __enter__(self) -> "AcceptanceOracle":
-        self._handle = self.target.register_forward_hook(self._rewrite, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._handle.remove()
-
-    @torch.no_grad()
-    def _rewrite(self, module, args, kwargs, output):
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        logits = getattr(output, "logits", None)
-        if input_ids is None or logits is None:
-            return None
-        started = time.perf_counter()
-        length, kept = input_ids.shape[1], logits.shape[1]
-        first = length - kept  # input position of the first kept logit
-        forceable = length - 1 - first  # kept positions that have a next input token
-        if forceable > 0:
-            rows = logits[:, :forceable]
-            following = input_ids[:, first + 1 :][..., None]
-            hit = torch.rand(following.shape[:2], device=logits.device, generator=self.generator) < self.acceptance
-            top = rows.amax(dim=-1)
-            current = rows.gather(-1, following).squeeze(-1)
-            agrees = current >= top  # the target's own argmax is already the draft (ties included)
-            value = torch.where(hit, top + 1.0, torch.where(agrees, rows.amin(dim=-1) - 1.0, current))
-            rows.scatter_(-1, following, value[..., None])
-            self._positions.append(hit.numel())
-            self._forced.append(hit.sum())
-            self._undone.append((agrees & ~hit).sum())
-        if self.clock is not None:
-            synchronize(logits.device)
-            self.clock.add("oracle", time.perf_counter() - started)
-        return None
 
 
 class PhaseTimer:

@@ -23,9 +23,10 @@ PRIOR_RATE, PRIOR_WEIGHT = 0.5, 1.0
 
 @dataclass
 class SlotAcceptance:
-    """Decayed counts, per draft slot j, of rounds that reached slot j (its drafts before it accepted) and of those
-    that accepted it. `decay` weighs about the last fifty rounds: long enough for a posterior that seldom asks for a
-    round that does not pay, short enough to follow a new workload."""
+    """Decayed counts, per draft slot j, of rows that reached slot j (its drafts before it accepted) and of those
+    that accepted it. Every round ages them by `decay` (discounted Thompson sampling): about the last fifty rounds
+    count, long enough for a posterior that seldom asks for a round that does not pay, short enough to follow a new
+    workload; and a drafter priced out by a few unlucky rounds drifts back to its prior, so it is tried again."""
 
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
@@ -42,12 +43,17 @@ class SlotAcceptance:
             self.reached.extend([0.0] * missing)
             self.accepted.extend([0.0] * missing)
 
+    def age(self) -> None:
+        """A round went by."""
+        self.reached = [self.decay * count for count in self.reached]
+        self.accepted = [self.decay * count for count in self.accepted]
+
     def record(self, verified: int, accepted: int) -> None:
-        """A round verified `verified` drafts and accepted the first `accepted` of them."""
+        """A row verified `verified` drafts and accepted the first `accepted` of them."""
         self.cover(verified)
         for slot in range(min(accepted + 1, verified)):
-            self.reached[slot] = self.decay * self.reached[slot] + 1.0
-            self.accepted[slot] = self.decay * self.accepted[slot] + (1.0 if slot < accepted else 0.0)
+            self.reached[slot] += 1.0
+            self.accepted[slot] += 1.0 if slot < accepted else 0.0
 
     def _posterior(self, slots: int):
         """Per slot, the Beta posterior's (accepted, rejected) pseudo-counts."""

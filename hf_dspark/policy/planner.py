@@ -146,6 +146,7 @@ class RoundPolicy:
         if plan.use_drafter and draft_timed:
             self.costs.record_draft(rows, verification_started - self._started)
         self.costs.record_forward(rows, width, finished - verification_started)
+        self.acceptance.age()
         for row, (source, length, count) in enumerate(zip(plan.sources, lengths, accepted)):
             if source == DRAFTER and length > 0:
                 self.acceptance.record(length, count)
