@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from hf_dspark.policy import VerificationCostTable
+from hf_dspark.policy import DSparkScheduler, VerificationCostTable
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from hf_dspark import DraftingState, rejection_sample
@@ -130,8 +130,10 @@ def test_generate_sampling_matches_target_distribution(kind, device):
         # The first slot is drafted only when its predicted survival is at least 0.515, a choice that differs
         # between anchors: the length varies with c_1 and must not bias what is emitted.
         drafter.generation_config.dspark_cost_table = VerificationCostTable([1.0, 1.515])
-        # This checks the confidence schedule's length, drafted every round.
-        drafter.generation_config.dspark_round_planning = False
+        # This checks the confidence schedule's length, drafted every round, at the table's prices and on the
+        # confidences as the head gives them (a scheduler of the test's own: no calibration moves the threshold).
+        drafter.generation_config.update(dspark_round_planning=False,
+                                         dspark_verification_policy=DSparkScheduler(VerificationCostTable([1.0, 1.515])))
     # Suffix drafting: with drafting priced far above a verification forward, x2 is drafted by a one-hot suffix
     # proposal whenever x1 occurred in the prompt, and otherwise not drafted at all (a plain step).
     drafter.generation_config.dspark_suffix_drafting = kind.endswith("suffix")
