@@ -81,6 +81,34 @@ def test_a_shape_nothing_bounds_is_tried_next_and_a_table_prices_what_was_not_me
     assert costs.forward_seconds(2, 2) == 2.0 and costs.forward_seconds(4, 4) == pytest.approx(4.75)
 
 
+def test_the_rule_prices_widths_under_their_convex_hull():
+    """One row on a CPU: a jump at four tokens (a kernel change), then 5 % a token. The rule's prices never exceed
+    what was measured, meet it at the hull's corners, and rise at least as fast width by width."""
+    costs = CostModel()
+    measured = [35.7, 38.4, 40.2, 54.3, 55.8, 59.4, 63.6, 72.2]
+    for width, seconds in enumerate(measured, start=1):
+        costs.record_forward(1, width, seconds)
+    prices = costs.forward_prices(1, 8)
+    assert all(p <= m + 1e-9 for p, m in zip(prices, measured))
+    assert prices[0] == 35.7 and prices[2] == 40.2 and prices[7] == 72.2
+    steps = [b - a for a, b in zip(prices, prices[1:])]
+    assert all(later >= earlier - 1e-9 for earlier, later in zip(steps, steps[1:]))
+
+
+def test_confidence_calibration_learns_the_level_and_how_much_the_head_tells():
+    from hf_dspark.policy.acceptance import ConfidenceShift
+    rng = random.Random(0)
+    blind, sharp = ConfidenceShift(), ConfidenceShift()
+    for _ in range(3000):
+        low = [rng.uniform(0.1, 0.3) for _ in range(3)]  # a head that reads low, drafts accepted 0.9 of the time
+        blind.record(low, next((j for j in range(3) if rng.random() > 0.9), 3))
+        told = [rng.choice([0.2, 0.8])]  # a head that knows: accepted exactly when it says 0.8
+        sharp.record(told, 1 if told[0] == 0.8 else 0)
+    calibrated = blind.apply(torch.tensor([[0.1, 0.2, 0.3]]))[0]
+    assert calibrated.min() > 0.8 and calibrated.max() - calibrated.min() < 0.05  # its level, not its ranking
+    assert sharp.slope > 1.0 and sharp.apply(torch.tensor([[0.2, 0.8]])).tolist()[0] == pytest.approx([0, 1], abs=0.1)
+
+
 def test_the_drafter_is_free_until_measured_then_priced_by_rows():
     assert CostModel().draft_seconds(3) == 0.0
     assert CostModel(VerificationCostTable([1.0], draft_seconds=0.3)).draft_seconds(3) == 0.3

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_dspark.generation.round.verification import rejection_sample
-from hf_dspark.policy import DSparkScheduler, VerificationCostTable
+from hf_dspark.policy import CostModel, DSparkScheduler, VerificationCostTable
 from test_sampling_lossless import chi_square, critical_value
 
 
@@ -18,12 +18,11 @@ def test_admits_widths_while_throughput_rises_and_stops_at_the_first_drop():
     # W = 3: 4.66 / 1.5 = 3.11; W = 4: 5.146 / 1.7 = 3.03 stops.
     lengths = DSparkScheduler(table).select_lengths(confidences)
     assert lengths.tolist() == [2, 2]
-    # A width that costs more than it brings stops the rule there, though a wider one would pay again: two rows,
-    # F(2, 1) = 1, F(2, 2) = 1.5, F(2, 3) = F(2, 4) = 1.5.
+    # A price that jumps (a kernel change) and then stays: two rows, F(2, 1) = 1, F(2, 2..4) = 1.5. Under the prices'
+    # convex hull (1, 1.17, 1.33, 1.5) the widths that repay the jump are admitted one by one.
     step = VerificationCostTable([1.0, 1.0, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5])
-    assert DSparkScheduler(step).select_lengths(torch.tensor([[0.2, 1.0, 1.0], [0.2, 1.0, 1.0]])).tolist() == [0, 0]
-    assert DSparkScheduler(step, early_stop=False).select_lengths(
-        torch.tensor([[0.2, 1.0, 1.0], [0.2, 1.0, 1.0]])).tolist() == [3, 3]
+    assert DSparkScheduler(step).select_lengths(torch.tensor([[0.2, 1.0, 1.0], [0.2, 1.0, 1.0]])).tolist() == [3, 3]
+    assert DSparkScheduler(step).select_lengths(torch.tensor([[0.05, 1.0, 1.0], [0.05, 1.0, 1.0]])).tolist() == [0, 0]
 
 
 def test_lengths_respect_available_drafts_and_flat_costs_admit_everything():
@@ -36,13 +35,14 @@ def test_lengths_respect_available_drafts_and_flat_costs_admit_everything():
 def test_single_request_matches_the_incremental_draft_length_rule():
     generator = torch.Generator().manual_seed(0)
     table = VerificationCostTable([1.0, 1.3, 1.55, 1.9, 2.2, 2.6, 3.0, 3.4])
+    prices = CostModel(table, learn=False).forward_prices(1, 8)  # the table's, under their convex hull
     for _ in range(200):
         confidences = torch.rand(1, 7, generator=generator) ** 0.3
         batch = int(DSparkScheduler(table).select_lengths(confidences)[0])
         # The batch-1 reading of the rule: admit slot k while E(k) / cost(k + 1) rises (E(k) = 1 + S_1 + ... + S_k).
-        expected, rate, length = 1.0, 1.0 / table.padded_round_seconds(1), 0
+        expected, rate, length = 1.0, 1.0 / prices[0], 0
         for survival in confidences[0].cumprod(0).tolist():
-            admitted = (expected + survival) / table.padded_round_seconds(length + 2)
+            admitted = (expected + survival) / prices[length + 1]
             if admitted <= rate:
                 break
             expected, rate, length = expected + survival, admitted, length + 1

@@ -77,7 +77,10 @@ class DSparkScheduler:
         if self.calibration is not None:
             confidences = self.calibration.apply(confidences)
         survival = survival_of(confidences, max_lengths)
-        prices = torch.tensor(self.costs.forward_prices(rows, gamma + 1), dtype=torch.float64)
+        # The global best is kept on the raw prices (the paper's Appendix A): under their hull it is the early stop.
+        prices = self.costs.forward_prices(rows, gamma + 1) if self.early_stop else \
+            [self.costs.forward_seconds(rows, width) for width in range(1, gamma + 2)]
+        prices = torch.tensor(prices, dtype=torch.float64)
         width = admitted_width(survival, prices, self.early_stop)
         lengths = (width - 1).expand(rows)
         return lengths if max_lengths is None else torch.minimum(lengths, max_lengths.to(lengths.device))
