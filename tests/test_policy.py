@@ -88,11 +88,13 @@ def test_the_rule_prices_widths_under_their_convex_hull():
     measured = [35.7, 38.4, 40.2, 54.3, 55.8, 59.4, 63.6, 72.2]
     for width, seconds in enumerate(measured, start=1):
         costs.record_forward(1, width, seconds)
-    prices = costs.forward_prices(1, 8)
+    from hf_dspark.policy.admission import hull
+    prices, corner = hull(costs.forward_prices(1, 8))
     assert all(p <= m + 1e-9 for p, m in zip(prices, measured))
     assert prices[0] == 35.7 and prices[2] == 40.2 and prices[7] == 72.2
     steps = [b - a for a, b in zip(prices, prices[1:])]
     assert all(later >= earlier - 1e-9 for earlier, later in zip(steps, steps[1:]))
+    assert corner == [1, 3, 3, 7, 7, 7, 7, 8]  # a width between corners is verified as wide as the next corner
 
 
 def test_confidence_calibration_learns_the_level_and_how_much_the_head_tells():

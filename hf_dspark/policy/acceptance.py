@@ -109,15 +109,12 @@ class ConfidenceShift:
     """The drafter's confidences as this target and this workload accept them: online Platt scaling, a slope a and
     a shift d in logit space, so that sigmoid(a logit(c) + d) tracks what verification accepts.
 
-    A confidence head learns the acceptance of the target and data it was trained on; served elsewhere (another
-    task, a fine-tuned target, the acceptance oracle of the benchmarks) its confidences can sit far from what is
-    accepted, and the admission rule after drafting would verify too little or too much. Each verified draft that was
-    reached moves both by `CALIBRATION_STEP` times the log-loss gradient (accepted minus predicted, times logit(c) for
-    the slope). One pair for every slot: the rule verifies the late slots only once their confidences read high
-    enough, so a pair of their own would never learn what the early slots show (measured at an acceptance of 0.9:
-    per-slot shifts left the slots past the second at the head's own level, two drafts a round, 0.73x verify-all at
-    one row). The slope falls towards 0 where the head does not tell accepted drafts from rejected ones, so the rule
-    then reads what is accepted on average. Lossless as the rule is: both depend on earlier rounds only."""
+    A head learns the acceptance of the target and data it was trained on; served elsewhere its confidences can sit far
+    from what is accepted. Each reached draft moves both by `CALIBRATION_STEP` times the log-loss gradient. One pair
+    for every slot: the rule verifies late slots only once their confidences read high, so a pair of their own would
+    never learn what the early slots show (measured at an acceptance of 0.9: per-slot shifts left the slots past the
+    second at the head's level, 0.73x verify-all at one row). Where the head does not tell accepted drafts from
+    rejected ones the slope falls towards 0. Lossless: both depend on earlier rounds only."""
 
     slope: float = 1.0
     shift: float = 0.0

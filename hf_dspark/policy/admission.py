@@ -25,25 +25,37 @@ from .acceptance import ConfidenceShift
 from .costs import CostModel
 
 
+def hull(prices: list[float]) -> tuple[list[float], list[int]]:
+    """Prices under their lower convex hull in the width, and each width's next hull corner. A CPU's forward jumps
+    where a kernel changes (one row: 4 tokens cost 1.35x three, then 5 % a token), and the early stop would stop before
+    a jump that wider rounds repay (measured: 0.73x verifying seven at an acceptance of 0.9). Under the hull the first
+    drop is the best width; the rule verifies up to the next corner, which follows from the stop alone (lossless)."""
+    low = [min(prices[a] + (prices[b] - prices[a]) * (w - a) / (b - a) if b > a else prices[w]
+               for a in range(w + 1) for b in range(w, len(prices))) for w in range(len(prices))]
+    corners = [w for w in range(len(prices)) if prices[w] <= low[w] + 1e-12]
+    return low, [next(c for c in corners if c >= w) + 1 for w in range(len(prices))]
+
+
 def first_drop(expected: list[float], seconds: list[float]) -> int:
     """The rule on the host (before drafting: no device value to wait for): the admitted width W, from the expected
-    tokens and the seconds of a round of width 1, 2, ... The same rule as `admitted_width`, which reads survivals on
-    the device."""
+    tokens and the seconds of a round of width 1, 2, ...; `admitted_width` reads survivals on the device."""
+    low, corner = hull(seconds)
     width = 1
-    while width < len(expected) and expected[width] / seconds[width] > expected[width - 1] / seconds[width - 1]:
+    while width < len(expected) and expected[width] / low[width] > expected[width - 1] / low[width - 1]:
         width += 1
-    return width
+    return corner[width - 1]
 
 
-def admitted_width(survival: torch.Tensor, prices: torch.Tensor, early_stop: bool = True) -> torch.Tensor:
+def admitted_width(survival: torch.Tensor, prices: list[float], early_stop: bool = True) -> torch.Tensor:
     """The admitted width W (a 0-d long tensor, 1 = anchors only) for `survival` (R, G) (0 where a row has no
-    proposal) and `prices` (G + 1,), the seconds of a round of width 1..G + 1; on the survivals' device."""
+    proposal) and `prices`, the seconds of a round of width 1..G + 1; on the survivals' device."""
     rows = survival.shape[0]
     expected = torch.cat([survival.new_full((1,), float(rows)), rows + survival.clamp(0, 1).sum(0).cumsum(0)])
-    throughput = expected.double() / prices.to(survival.device, torch.float64)
-    if early_stop:
-        return (throughput[1:] > throughput[:-1]).long().cumprod(0).sum() + 1
-    return throughput.argmax() + 1
+    if not early_stop:  # the global best on the raw prices (the paper's Appendix A: biased)
+        return (expected.double() / torch.tensor(prices, dtype=torch.float64, device=survival.device)).argmax() + 1
+    low, corner = (torch.tensor(values, device=survival.device) for values in hull(prices))
+    throughput = expected.double() / low.double()
+    return corner[(throughput[1:] > throughput[:-1]).long().cumprod(0).sum()]
 
 
 def survival_of(confidences: torch.Tensor, max_lengths: torch.Tensor | None) -> torch.Tensor:
@@ -77,10 +89,6 @@ class DSparkScheduler:
         if self.calibration is not None:
             confidences = self.calibration.apply(confidences)
         survival = survival_of(confidences, max_lengths)
-        # The global best is kept on the raw prices (the paper's Appendix A): under their hull it is the early stop.
-        prices = self.costs.forward_prices(rows, gamma + 1) if self.early_stop else \
-            [self.costs.forward_seconds(rows, width) for width in range(1, gamma + 2)]
-        prices = torch.tensor(prices, dtype=torch.float64)
-        width = admitted_width(survival, prices, self.early_stop)
+        width = admitted_width(survival, self.costs.forward_prices(rows, gamma + 1), self.early_stop)
         lengths = (width - 1).expand(rows)
         return lengths if max_lengths is None else torch.minimum(lengths, max_lengths.to(lengths.device))

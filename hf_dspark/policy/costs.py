@@ -55,21 +55,8 @@ class CostModel:
         return least if tabled is None else max(least, tabled)
 
     def forward_prices(self, rows: int, widths: int) -> list[float]:
-        """What the admission rule prices widths 1..`widths` at: F(rows, W) under its lower convex hull in W. On a CPU
-        one row's forward jumps where a kernel changes (4 tokens: 1.35x three, then 5 % a token up to 8), and the early
-        stop, which must stop at the first width that does not pay, would stop before a jump that several widths
-        beyond it repay (measured: two drafts a round at an acceptance of 0.9, 0.73x verifying seven). Under the hull
-        each width's price rises at least as fast as the one before, so the first drop is the best width."""
-        prices = [self.forward_seconds(rows, width) for width in range(1, widths + 1)]
-        hull = [0]  # indices of the hull's corners
-        for width in range(1, widths):
-            while len(hull) > 1 and _above(hull[-2], hull[-1], width, prices):
-                hull.pop()
-            hull.append(width)
-        for left, right in zip(hull, hull[1:]):
-            for width in range(left + 1, right):
-                prices[width] = prices[left] + (prices[right] - prices[left]) * (width - left) / (right - left)
-        return prices
+        """F(rows, W) for W = 1..widths."""
+        return [self.forward_seconds(rows, width) for width in range(1, widths + 1)]
 
     def draft_seconds(self, rows: int) -> float:
         measured = self.drafts.get(rows)
@@ -85,12 +72,6 @@ class CostModel:
         # One row's verification is padded to the table's cheapest size at least as wide (the batch-1 loop).
         tokens = self.table.padded_tokens(width) if rows == 1 else rows * width
         return self.table.round_seconds(tokens) - self.table.draft_seconds
-
-
-def _above(left: int, middle: int, right: int, prices: list[float]) -> bool:
-    """Whether the point at `middle` lies on or above the line from `left` to `right`."""
-    line = prices[left] + (prices[right] - prices[left]) * (middle - left) / (right - left)
-    return prices[middle] >= line
 
 
 def _smooth(table: dict, key, seconds: float) -> None:

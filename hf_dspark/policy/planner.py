@@ -1,18 +1,12 @@
-"""The round's decision before drafting, one implementation for every batch size (the batch-1 loop runs it at
-R = 1): per row, what it proposes this round (the drafter's block, a suffix match over its own text, or nothing),
-how wide the round verifies, and whether the drafter runs at all, by the admission rule (`admission`) on estimated
-survivals and this machine's prices (`costs.CostModel`).
+"""The round's decision before drafting, at every batch size (batch 1 is R = 1): per row its proposer (the
+drafter's block, a suffix match over its own text, or nothing), the round's width and whether the drafter runs, by
+the admission rule (`admission`) on estimated survivals and this machine's prices (`costs.CostModel`).
 
-Each row's proposers are estimated by `acceptance`: the drafter's slots by a Thompson draw from their posterior
-(what the drafter achieves is learnt only from the rounds that verify its drafts, so a drafter measured seldom is
-tried in proportion to the chance that it pays), a suffix proposal by its posterior mean (every proposal is scored
-against the text that followed it, verified or not). At each width W, each row takes its better proposer; the round
-with the drafter pays its pass, the round without it does not, and the rule admits widths for both while the
-expected tokens per second rise. The better of the two rounds is the plan; a width of 1 without the drafter is a
-plain step.
-
-Lossless: every choice depends on earlier rounds, the rows' committed text and the policy's own random stream, never
-on this round's drafts; the verifier keeps every row's output exactly the target's.
+The drafter's slots are estimated by a Thompson draw from their posterior (it is learnt only from rounds that verify
+its drafts, so a drafter measured seldom is tried in proportion to the chance that it pays), a suffix proposal by its
+posterior mean (every proposal is scored against the text that followed it). At each width each row takes its better
+proposer; the rule admits widths with the drafter's pass paid and without it, and the better round is the plan.
+Lossless: every choice depends on earlier rounds, the committed text and the policy's own random stream only.
 """
 
 from __future__ import annotations
@@ -63,12 +57,10 @@ class RoundPolicy:
     def __init__(self, slots: int, *, planning: bool, costs: CostModel,
                  suffix_acceptance: SuffixAcceptance | None = None, drafter_acceptance: SlotAcceptance | None = None,
                  seed: int = 0, calibration: ConfidenceShift | None = None, clock=None):
-        self.slots, self.planning, self.costs = slots, planning, costs
-        self.suffix_acceptance = suffix_acceptance
+        self.slots, self.planning, self.costs, self.suffix_acceptance = slots, planning, costs, suffix_acceptance
         self.acceptance = drafter_acceptance if drafter_acceptance is not None else SlotAcceptance.empty(slots)
         self.acceptance.cover(slots)
-        self.rng = random.Random(seed)
-        self.calibration = calibration
+        self.rng, self.calibration = random.Random(seed), calibration
         self.clock = clock if clock is not None else time.perf_counter
         self.requests: dict[int, SuffixProposer] = {}  # each request's suffix proposer over its text
         self.proposals: dict[int, tuple[list[int], int]] = {}  # this round's suffix proposals (tokens, match)

@@ -47,9 +47,8 @@ class DraftingState:
 
     @classmethod
     def from_dict(cls, saved: dict, source: str = "a saved DraftingState") -> "DraftingState":
-        """The inverse of `to_dict` (JSON keeps dict keys as strings: match lengths are ints), every field checked
-        for its type and range: a `UserInputError` (a ValueError) naming the field, the value and `source` (the
-        file) otherwise, rather than a failure rounds later inside the planner."""
+        """The inverse of `to_dict`, every field checked: a `UserInputError` naming the field, the value and `source`
+        otherwise, rather than a failure rounds later inside the policy."""
         return cls(_checked_statistics(saved, source))
 
     def save(self, path: str | Path) -> None:
@@ -62,9 +61,7 @@ class DraftingState:
 
 
 _STATE_FIX = "save one with DraftingState.save(path)"
-# Fields that states saved by hf_dspark before one planner served every batch size hold (the drafter's smoothed
-# estimate, probe pacing, per-size forward seconds): no longer learnt across calls, so a file with them loads
-# without them.
+# Fields of states saved by earlier planners (smoothed estimates, probe pacing, timings): loaded without them.
 _RETIRED_FIELDS = ("drafter_expected", "drafter_tokens", "rounds_without_drafter", "probe_interval",
                    "forward_seconds", "draft_seconds")
 
