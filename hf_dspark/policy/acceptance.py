@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# A slot nothing is known about is an even chance, worth one observation (the drafter is tried early, and one
-# round that disagrees moves the estimate most of the way).
+# A slot nothing is known about: an even chance worth one observation (the drafter is tried early).
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 1.0
 
 

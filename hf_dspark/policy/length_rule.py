@@ -61,16 +61,16 @@ class DraftLengthRule:
         return self.policy_arg.select_lengths(confidences, max_lengths=budget)
 
 
-def resolve_verification_policy(policy=None, *, has_confidence: bool, planning: bool = True, confidence_threshold: float | None = None) -> tuple[str, object]:
+def resolve_verification_policy(policy=None, *, has_confidence: bool, planning: bool = True,
+                                confidence_threshold: float | None = None) -> tuple[str, object]:
     """`(policy, policy_arg)` of the `dspark_verification_policy` setting.
 
     `None` (the default) derives it from the other settings, so one drafter behaves alike at every batch size:
     `("threshold", confidence_threshold)` when a threshold is set and the drafter has a confidence head, else the
     admission rule (`("scheduler", None)`: a `DSparkScheduler` on the loop's own cost model, which a table given as
     `dspark_cost_table` starts) when it has one and the policy plans rounds (`planning`; without it, every drafted
-    slot is verified), else `"all"`. Otherwise it may be a policy name (`"all"`,
-    `"scheduler"`), a `(policy, policy_arg)` pair such as `("fixed", 2)` or `("threshold", 0.4)`, or a scheduler
-    object (anything with `select_lengths`).
+    slot is verified), else `"all"`. Otherwise a policy name (`"all"`, `"scheduler"`), a `(policy, policy_arg)` pair
+    such as `("fixed", 2)` or `("threshold", 0.4)`, or a scheduler object (anything with `select_lengths`).
     """
     if policy is None:
         if has_confidence and confidence_threshold is not None:
