@@ -468,3 +468,17 @@ def test_planned_batched_sampling_matches_target_distribution(monkeypatch, kind)
             counts[x1, x2, x3] += 1
     assert choices["drafter"] > 0 and choices["suffix"] > 0 and choices["none"] > 0, choices
     assert_three_tokens_match(counts, joint, biased, batch * calls)
+
+
+def test_a_state_is_saved_whole_or_not_at_all(tmp_path):
+    """A save stopped midway (here by a value JSON cannot hold) leaves the file as it was, and no temporary file."""
+    path = tmp_path / "state.json"
+    state = DraftingState()
+    state.statistics.suffix.record(2, proposed=3, accepted=1)
+    state.save(path)
+    before = path.read_text()
+    state.statistics.suffix.accepted[3] = object()
+    with pytest.raises(TypeError):
+        state.save(path)
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["state.json"]
+    assert DraftingState.load(path).statistics.suffix.reached == {2: 2.0}

@@ -3,14 +3,13 @@ policy's cost model starts from, saved as JSON or inline in a drafter's `generat
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .drafting_config import MAX_TABLE_SECONDS, MIN_TABLE_SECONDS, cost_table_problem
 from .errors import UserInputError
-from .json_files import SMALL_JSON_BYTES, read_json
+from .json_files import SMALL_JSON_BYTES, read_json, write_json
 
 
 def _is_time(value) -> bool:
@@ -87,7 +86,7 @@ class VerificationCostTable:
         return cls([1.0 / s for s in steps_per_second], **kwargs)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2))
+        write_json(path, asdict(self), indent=2)
 
     @classmethod
     def load(cls, path: str | Path) -> "VerificationCostTable":

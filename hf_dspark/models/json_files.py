@@ -63,3 +63,16 @@ def read_json(path, what: str, fix: str, error: type[UserInputError] = UserInput
         raise error(f"{what} {path} cannot be read ({problem}); {fix}.") from None
     except (ValueError, RecursionError) as problem:  # JSONDecodeError, a number too long, nesting too deep
         raise error(f"{what} {path} is not valid JSON ({problem}); {fix}.") from None
+
+
+def write_json(path, value, indent: int = 1) -> None:
+    """Write `value` as JSON to `path` atomically: a process stopped midway leaves the old file or the new one,
+    never half of one (the temporary file sits beside it, so the rename stays on one file system)."""
+    temporary = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(value, handle, indent=indent)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)

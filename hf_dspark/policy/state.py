@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..models.config_checks import is_finite_number
 from ..models.errors import UserInputError
-from ..models.json_files import read_json
+from ..models.json_files import read_json, write_json
 from .acceptance import ConfidenceShift, SlotAcceptance, SuffixAcceptance
 
 # Decayed counts never exceed 1 / (1 - decay); a saved count beyond this is not one this code wrote.
@@ -52,7 +51,7 @@ class DraftingState:
         return cls(_checked_statistics(saved, source))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1), encoding="utf-8")
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "DraftingState":
