@@ -94,24 +94,16 @@ def wire_stash(oracle_ref: list) -> None:
     from hf_dspark.generation.engine import speculative_engine
     from hf_dspark.generation.one_prompt import proposers
 
-    engine_draft = speculative_engine._draft
+    def stashing(draft):
+        def stashed(*args, **kwargs):
+            drafts = draft(*args, **kwargs)
+            if oracle_ref[0] is not None:
+                oracle_ref[0].stash(drafts.confidences)
+            return drafts
+        return stashed
 
-    def stashing_draft(*a, **k):
-        drafts = engine_draft(*a, **k)
-        if oracle_ref[0] is not None:
-            oracle_ref[0].stash(drafts.confidences)
-        return drafts
-
-    speculative_engine._draft = stashing_draft
-    one_draft = proposers.DSparkCandidateGenerator._draft
-
-    def stashing_one(self, *a, **k):
-        drafts = one_draft(self, *a, **k)
-        if oracle_ref[0] is not None:
-            oracle_ref[0].stash(drafts.confidences)
-        return drafts
-
-    proposers.DSparkCandidateGenerator._draft = stashing_one
+    speculative_engine._draft = stashing(speculative_engine._draft)  # the engine's pass over all rows
+    proposers.DSparkCandidateGenerator._draft = stashing(proposers.DSparkCandidateGenerator._draft)  # batch 1
 
 
 def mean_confidence_logit(target, drafter, encodings) -> float:

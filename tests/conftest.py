@@ -70,6 +70,25 @@ def tiny_drafter(target, kind: str = "markov", block_size: int = 4, seed: int = 
     return hf_dspark.DSparkDraftModel(config).eval()
 
 
+def hub_snapshot(cache, repo_id: str, folder, linked=None):
+    """`folder` laid out as huggingface_hub caches `repo_id`: the files named in `linked` (every file: None) stored
+    in the repo's blobs/ with a snapshot link to each, the others copied into the snapshot. Returns the snapshot."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "blobs").mkdir()
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in folder.iterdir():
+        if file.is_file() and (linked is None or file.name in linked):
+            (repo / "blobs" / file.name).write_bytes(file.read_bytes())
+            (snapshot / file.name).symlink_to(f"../../blobs/{file.name}")
+        elif file.is_file():
+            (snapshot / file.name).write_bytes(file.read_bytes())
+    return snapshot
+
+
 def prompts(count: int, length: int = 6, vocab_size: int = VOCAB, seed: int = 123, device="cpu"):
     """Drawn on the CPU from `seed` (the same prompts on every device), then moved to `device`."""
     generator = torch.Generator().manual_seed(seed)

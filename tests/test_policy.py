@@ -482,3 +482,18 @@ def test_a_state_is_saved_whole_or_not_at_all(tmp_path):
         state.save(path)
     assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["state.json"]
     assert DraftingState.load(path).statistics.suffix.reached == {2: 2.0}
+
+
+def test_the_rule_on_the_host_and_on_the_device_admit_the_same_width():
+    """`first_drop` (before drafting, host values) and `admitted_width` (after drafting, on the device) are one rule:
+    the same width from the same survivals and prices, kernel jumps included."""
+    from hf_dspark.policy.admission import admitted_width, first_drop
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        rows, slots = int(torch.randint(1, 5, (1,), generator=generator)), 7
+        survival = (torch.rand(rows, slots, generator=generator) ** 0.5).cumprod(1)
+        steps = torch.rand(slots + 1, generator=generator)
+        steps[int(torch.randint(1, slots + 1, (1,), generator=generator))] += 2.0  # a jump somewhere
+        prices = steps.cumsum(0).tolist()
+        expected = [rows + float(survival[:, :count].sum()) for count in range(slots + 1)]
+        assert first_drop(expected, prices) == int(admitted_width(survival, prices))

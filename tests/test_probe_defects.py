@@ -29,7 +29,7 @@ from transformers import BloomConfig, GPT2Config, GPT2LMHeadModel, OPTConfig, OP
 import hf_dspark
 import test_interop_k3_dspark as k3
 import test_interop_lfm2_dspark as lfm2
-from conftest import prompts, tiny_drafter, tiny_target
+from conftest import hub_snapshot, prompts, tiny_drafter, tiny_target
 from hf_dspark.cli.main import main
 from hf_dspark.models.drafting_config import MAX_TABLE_SECONDS, MIN_TABLE_SECONDS
 from hf_dspark.models.errors import DrafterLoadError, DrafterTargetMismatchError, UserInputError
@@ -152,23 +152,9 @@ def test_links_inside_the_folder_still_load(layouts, tmp_path, layout):
     assert all(torch.equal(tensor, reference.state_dict()[key]) for key, tensor in loaded.state_dict().items())
 
 
-def _linked_hub_snapshot(cache: Path, repo_id: str, folder: Path) -> None:
-    """`folder` cached as huggingface_hub caches a download: every snapshot file a link into the repo's blobs/."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    (repo / "blobs").mkdir()
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for index, file in enumerate(sorted(p for p in folder.iterdir() if p.is_file())):
-        shutil.copy(file, repo / "blobs" / f"blob{index}")
-        (snapshot / file.name).symlink_to(f"../../blobs/blob{index}")
-
-
 @pytest.mark.parametrize("layout", ["own_dspark", "lfm2"])
 def test_a_hub_snapshot_linking_into_its_blobs_still_loads(layouts, tmp_path, layout):
-    _linked_hub_snapshot(tmp_path / "hub", f"someone/{layout}", layouts / layout)
+    hub_snapshot(tmp_path / "hub", f"someone/{layout}", layouts / layout)  # every file a link into blobs/
     loaded = hf_dspark.AutoDrafter.from_pretrained(f"someone/{layout}", cache_dir=tmp_path / "hub",
                                                    local_files_only=True)
     reference = hf_dspark.AutoDrafter.from_pretrained(layouts / layout)

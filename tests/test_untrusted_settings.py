@@ -20,7 +20,7 @@ from hf_dspark.generation import DraftingSettings
 from hf_dspark.models.errors import DrafterLoadError, UserInputError
 from hf_dspark.models.json_files import SMALL_JSON_BYTES, read_json
 from hf_dspark.policy import VerificationCostTable
-from conftest import prompts, tiny_drafter, tiny_target
+from conftest import hub_snapshot, prompts, tiny_drafter, tiny_target
 
 TABLE = VerificationCostTable([1.0, 1.5, 2.0], draft_seconds=0.25, description={"device": "folder"})
 ELSEWHERE = VerificationCostTable([9.0, 9.0], description={"device": "working directory"})
@@ -131,36 +131,18 @@ def test_a_table_inline_or_inside_the_folder_is_what_the_plan_uses(folder, tmp_p
     assert DraftingSettings.resolve(loaded).cost_table == TABLE
 
 
-def _hub_snapshot(cache, repo_id, folder, linked):
-    """`folder` laid out as huggingface_hub caches `repo_id`: snapshot files linking into the repo's blobs/."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    (repo / "blobs").mkdir()
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for file in folder.iterdir():
-        if file.is_file() and file.name in linked:
-            (repo / "blobs" / file.name).write_bytes(file.read_bytes())
-            (snapshot / file.name).symlink_to(f"../../blobs/{file.name}")
-        elif file.is_file():
-            (snapshot / file.name).write_bytes(file.read_bytes())
-    return snapshot
-
-
 def test_a_hub_repo_may_name_a_table_inside_itself_only(folder, tmp_path):
     """Offline, through the Hub cache: a file of the repo is fetched by cached_file (a link into its blobs/, as
     huggingface_hub stores it); a name outside the repo or missing from it is refused."""
     TABLE.save(folder / "costs.json")
     name_table(folder, "costs.json")
     cache = tmp_path / "hub"
-    _hub_snapshot(cache, "org/good", folder, linked={"costs.json", "generation_config.json"})
+    hub_snapshot(cache, "org/good", folder, linked={"costs.json", "generation_config.json"})
     loaded = hf_dspark.DSparkDraftModel.from_pretrained("org/good", cache_dir=cache, local_files_only=True)
     assert DraftingSettings.resolve(loaded).cost_table == TABLE
     for repo, name in (("org/escape", "../../../../../etc/hostname"), ("org/missing", "other.json")):
         name_table(folder, name)
-        _hub_snapshot(cache, repo, folder, linked=set())
+        hub_snapshot(cache, repo, folder, linked=set())
         refused_at_load(repo, name, cache_dir=cache, local_files_only=True)
 
 

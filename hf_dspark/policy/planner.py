@@ -57,7 +57,7 @@ class RoundPolicy:
     def __init__(self, slots: int, *, planning: bool, costs: CostModel,
                  suffix_acceptance: SuffixAcceptance | None = None, drafter_acceptance: SlotAcceptance | None = None,
                  seed: int = 0, calibration: ConfidenceShift | None = None, clock=None):
-        self.slots, self.planning, self.costs, self.suffix_acceptance = slots, planning, costs, suffix_acceptance
+        self.planning, self.costs, self.suffix_acceptance = planning, costs, suffix_acceptance
         self.acceptance = drafter_acceptance if drafter_acceptance is not None else SlotAcceptance.empty(slots)
         self.acceptance.cover(slots)
         self.rng, self.calibration = random.Random(seed), calibration
