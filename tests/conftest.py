@@ -125,10 +125,17 @@ def pytest_addoption(parser):
 
 @pytest.fixture(autouse=True)
 def _skewed_drafter_costs(request, monkeypatch):
+    """Skews what the loop measures: a drafter pass timed by the real clock. Prices a test gives (`record_draft`
+    called directly, a simulated clock) are the test's own and stay as given."""
     factor = request.config.getoption("--drafter-cost-factor")
     if factor is not None and request.node.get_closest_marker("synthetic_timings") is None:
-        from hf_dspark.policy.costs import CostModel
-        recorded = CostModel.record_draft
-        monkeypatch.setattr(CostModel, "record_draft",
-                            lambda self, rows, seconds: recorded(self, rows, seconds * factor))
+        import time
+        from hf_dspark.policy.planner import RoundPolicy
+        recorded = RoundPolicy.record
+
+        def skewed(self, plan, request_ids, lengths, accepted, width, verification_started, *args, **kwargs):
+            if self.clock is time.perf_counter:  # the drafter's pass ran from the round's start to verification's
+                self._started = verification_started - (verification_started - self._started) * factor
+            return recorded(self, plan, request_ids, lengths, accepted, width, verification_started, *args, **kwargs)
+        monkeypatch.setattr(RoundPolicy, "record", skewed)
     yield
