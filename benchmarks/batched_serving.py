@@ -71,8 +71,7 @@ def real_runs() -> dict:
         plain_alone[index] = target.generate(prompts[index][None], max_new_tokens=args.max_new_tokens,
                                              do_sample=False)[0, len(prompts[index]):].tolist()
     policies = {"all": ("all", None), "fixed-1": ("fixed", 1), f"threshold-{args.threshold}": ("threshold", args.threshold),
-                "scheduler": ("scheduler", DSparkScheduler(costs)),
-                "scheduler-2ago": ("scheduler", DSparkScheduler(costs, mode="two_steps_ago"))}
+                "scheduler": ("scheduler", DSparkScheduler(costs))}
     rows = []
     for requests in args.requests:
         batch = prompts[:requests]
@@ -137,14 +136,12 @@ def simulation() -> dict:
     model = ConfidenceModel([0.90, 0.87, 0.84, 0.81, 0.78, 0.75, 0.72], concentration=4.0)
     table, draft_seconds = gpu_like_costs()
     policies = {"plain": ("plain", None), "all": ("all", None), "fixed-1": ("fixed", 1),
-                "threshold-0.5": ("threshold", 0.5), "scheduler": ("scheduler", "current"),
-                "scheduler-2ago": ("scheduler", "two_steps_ago")}
+                "threshold-0.5": ("threshold", 0.5), "scheduler": ("scheduler", None)}
     rows = []
     for requests in [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256]:
         for name, (policy, policy_arg) in policies.items():
             if policy == "scheduler":  # the scheduler sees this load's drafting cost in its SPS(B)
-                policy_arg = DSparkScheduler(VerificationCostTable(table.seconds, draft_seconds(requests, model.gamma)),
-                                             mode=policy_arg)
+                policy_arg = DSparkScheduler(VerificationCostTable(table.seconds, draft_seconds(requests, model.gamma)))
             result = simulate_policy(policy, policy_arg, requests=requests, rounds=args.sim_rounds,
                                      confidence_model=model, costs=table, draft_seconds=draft_seconds)
             rows.append({"policy": name, "requests": requests,

@@ -124,8 +124,7 @@ def main(argv=None) -> int:
     drafter = drafter_for(target, "markov")
     costs = VerificationCostTable([1.0 + 0.05 * i for i in range(16)])
     policies = [("all", None, "all"), ("threshold", 0.3, "threshold 0.3"),
-                ("scheduler", DSparkScheduler(costs), "scheduler"),
-                ("scheduler", DSparkScheduler(costs, mode="two_steps_ago"), "scheduler, two_steps_ago")]
+                ("scheduler", DSparkScheduler(costs), "scheduler")]
     for rows in (1, 4, 16, 64):
         for policy, arg, label in policies:
             most, mean = engine_syncs(target, drafter, rows, policy, arg, 24)

@@ -7,7 +7,7 @@ import torch
 
 from hf_dspark.generation.round.verification import rejection_sample
 from hf_dspark.policy import CostModel, DSparkScheduler, VerificationCostTable
-from hf_dspark.policy.admission import hull
+from hf_dspark.policy.acceptance import SlotAcceptance
 from test_sampling_lossless import chi_square, critical_value
 
 
@@ -19,11 +19,15 @@ def test_admits_widths_while_throughput_rises_and_stops_at_the_first_drop():
     # W = 3: 4.66 / 1.5 = 3.11; W = 4: 5.146 / 1.7 = 3.03 stops.
     lengths = DSparkScheduler(table).select_lengths(confidences)
     assert lengths.tolist() == [2, 2]
-    # A price that jumps (a kernel change) and then stays: two rows, F(2, 1) = 1, F(2, 2..4) = 1.5. Under the prices'
-    # convex hull (1, 1.17, 1.33, 1.5) the widths that repay the jump are admitted one by one.
+    # A price that jumps (a kernel change) and then stays: two rows, F(2, 1) = 1, F(2, 2..4) = 1.5. The next slot alone
+    # never repays the jump (W = 2: 2.4 / 1.5 < 2); where earlier rounds accepted every later slot, the slots behind
+    # it do (2.4 + 0.4 * 2 over 1.5 > 2), and the rule crosses it; a first slot that reads 0.05 stays below.
     step = VerificationCostTable([1.0, 1.0, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5])
-    assert DSparkScheduler(step).select_lengths(torch.tensor([[0.2, 1.0, 1.0], [0.2, 1.0, 1.0]])).tolist() == [3, 3]
-    assert DSparkScheduler(step).select_lengths(torch.tensor([[0.05, 1.0, 1.0], [0.05, 1.0, 1.0]])).tolist() == [0, 0]
+    sure = SlotAcceptance([100.0] * 3, [100.0] * 3)
+    crossing = torch.tensor([[0.2, 1.0, 1.0], [0.2, 1.0, 1.0]])
+    assert DSparkScheduler(step).select_lengths(crossing).tolist() == [0, 0]
+    assert DSparkScheduler(step, acceptance=sure).select_lengths(crossing).tolist() == [3, 3]
+    assert DSparkScheduler(step, acceptance=sure).select_lengths(torch.tensor([[0.05, 1.0, 1.0]] * 2)).tolist() == [0, 0]
 
 
 def test_lengths_respect_available_drafts_and_flat_costs_admit_everything():
@@ -34,21 +38,30 @@ def test_lengths_respect_available_drafts_and_flat_costs_admit_everything():
 
 
 def test_single_request_matches_the_incremental_draft_length_rule():
+    """The device's reading of the rule against a plain one at batch 1: admit slot k + 1 while some width, the slots
+    past k + 1 expected at the earlier rounds' rates, beats the current one."""
     generator = torch.Generator().manual_seed(0)
-    table = VerificationCostTable([1.0, 1.3, 1.55, 1.9, 2.2, 2.6, 3.0, 3.4])
-    prices, corner = hull(CostModel(table, learn=False).forward_prices(1, 8))  # the table's, under their hull
-    for _ in range(200):
+    table = VerificationCostTable([1.0, 1.3, 1.55, 2.4, 2.5, 2.6, 3.0, 3.4])  # a jump at four tokens
+    prices = CostModel(table, learn=False).forward_prices(1, 8)
+    for _ in range(300):
         confidences = torch.rand(1, 7, generator=generator) ** 0.3
-        batch = int(DSparkScheduler(table).select_lengths(confidences)[0])
-        # The batch-1 reading of the rule: admit slot k while E(k) / cost(k + 1) rises (E(k) = 1 + S_1 + ... + S_k),
-        # then verify up to the hull's next corner.
-        expected, rate, length = 1.0, 1.0 / prices[0], 0
-        for survival in confidences[0].cumprod(0).tolist():
-            admitted = (expected + survival) / prices[length + 1]
-            if admitted <= rate:
+        rates = (torch.rand(7, generator=generator) ** 0.3).tolist()
+        acceptance = SlotAcceptance([1e6] * 7, [1e6 * r for r in rates])
+        rates = acceptance.means(7)
+        batch = int(DSparkScheduler(table, acceptance=acceptance).select_lengths(confidences)[0])
+        survivals = [1.0] + confidences[0].cumprod(0).tolist()
+        expected, length = 1.0, 0
+        while length < 7:
+            known = expected + survivals[length + 1]  # slot length + 1 admitted
+            best, projected, survival = known / prices[length + 1], known, survivals[length + 1]
+            for later in range(length + 2, 8):
+                survival *= rates[later - 1]
+                projected += survival
+                best = max(best, projected / prices[later])
+            if best <= expected / prices[length]:
                 break
-            expected, rate, length = expected + survival, admitted, length + 1
-        assert batch == corner[length] - 1
+            expected, length = known, length + 1
+        assert batch == length
 
 
 def appendix_a_first_token_counts(early_stop: bool, samples: int = 40000, seed: int = 0) -> torch.Tensor:

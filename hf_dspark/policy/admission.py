@@ -7,55 +7,71 @@ all accepted), a round of width W emits in expectation
 
     E(W) = sum over rows of (1 + S[r, 1] + ... + S[r, W - 1])
 
-tokens in F(R, W) (+ the drafter's pass, when it is still to be paid) seconds (`costs.CostModel`). Widths are
-admitted one at a time while the expected tokens per second E(W) / seconds(W) still rise, and the rule **stops at
-the first width that does not raise it**. After drafting that early stop is what keeps the rule lossless: whether
-slot j is verified depends on the survivals up to slot j only, S[., j] = c_1 ... c_j, which do not depend on the
-token drafted at slot j (the confidence c_{j+1} does: a rule that looked further, such as the global best over all
+tokens in F(R, W) (+ the drafter's pass, when it is still to be paid) seconds (`costs.CostModel`).
+
+Before drafting (`best_width`, on the host, `planner.RoundPolicy`) every survival is an estimate from earlier rounds
+and the rule takes the width of the highest expected tokens per second. After drafting (`admitted_width`, on the
+device) the slots are admitted one at a time while the expected tokens per second still rise, and the rule **stops
+at the first width that does not raise them**. That early stop is what keeps it lossless: whether slot j is
+verified depends on the survivals up to slot j only, S[., j] = c_1 ... c_j, which do not depend on the token drafted
+at slot j (the confidence c_{j+1} does: a rule that looked at later confidences, such as the global best over all
 widths, verifies slot j *because* its draft made the next confidence high, and biases the output; `early_stop=False`
-keeps that rule for the tests that show it). At one row this is the DSpark paper's rule. Before drafting the same
-rule runs on estimated survivals (`planner.RoundPolicy`, on the host).
+keeps that rule for the tests that show it). "Rise" looks past the next slot with the estimates alone: from slot j
+on, a row's later slots are expected to survive at the acceptance rates measured in earlier rounds (`ahead`), so the
+rule goes on while some wider round, on those estimates, beats the current width. Prices that jump (one row on a
+CPU: four tokens cost 1.35x three, then 5 % a token) are crossed when the slots behind the jump repay it, and no
+wider round is verified than one the estimates favour. Without estimates (`ahead` None) it is the DSpark paper's
+rule: the next slot only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .acceptance import ConfidenceShift
+from .acceptance import ConfidenceShift, SlotAcceptance
 from .costs import CostModel
 
 
-def hull(prices: list[float]) -> tuple[list[float], list[int]]:
-    """Prices under their lower convex hull in the width, and each width's next hull corner. A CPU's forward jumps
-    where a kernel changes (one row: 4 tokens cost 1.35x three, then 5 % a token), and the early stop would stop before
-    a jump that wider rounds repay (measured: 0.73x verifying seven at an acceptance of 0.9). Under the hull the first
-    drop is the best width; the rule verifies up to the next corner, which follows from the stop alone (lossless)."""
-    low = [min(prices[a] + (prices[b] - prices[a]) * (w - a) / (b - a) if b > a else prices[w]
-               for a in range(w + 1) for b in range(w, len(prices))) for w in range(len(prices))]
-    corners = [w for w in range(len(prices)) if prices[w] <= low[w] + 1e-12]
-    return low, [next(c for c in corners if c >= w) + 1 for w in range(len(prices))]
+def best_width(expected: list[float], seconds: list[float]) -> int:
+    """The width W (1 = anchors only) of the highest expected tokens per second, from the expected tokens and the
+    seconds of a round of width 1, 2, ... (before drafting: estimates only, nothing to keep lossless); the first
+    of equals."""
+    rates = [tokens / max(price, 1e-12) for tokens, price in zip(expected, seconds)]
+    return rates.index(max(rates)) + 1
 
 
-def first_drop(expected: list[float], seconds: list[float]) -> int:
-    """The rule on the host (before drafting: no device value to wait for): the admitted width W, from the expected
-    tokens and the seconds of a round of width 1, 2, ...; `admitted_width` reads survivals on the device."""
-    low, corner = hull(seconds)
-    width = 1
-    while width < len(expected) and expected[width] / low[width] > expected[width - 1] / low[width - 1]:
-        width += 1
-    return corner[width - 1]
+def _ahead_gains(ahead: list[float], width: int) -> list[list[float]]:
+    """gains[k][k2] for k <= k2 < width: the tokens a survival of 1 at slot k is expected to add up to slot k2, later
+    slots accepted at the rates `ahead` (slot j's at ahead[j - 1])."""
+    gains = []
+    for k in range(width):
+        row, survival, total = [0.0] * width, 1.0, 0.0
+        for k2 in range(k + 1, width):
+            survival *= ahead[k2 - 1] if k2 - 1 < len(ahead) else 0.0
+            total += survival
+            row[k2] = total
+        gains.append(row)
+    return gains
 
 
-def admitted_width(survival: torch.Tensor, prices: list[float], early_stop: bool = True) -> torch.Tensor:
+def admitted_width(survival: torch.Tensor, prices: list[float], early_stop: bool = True,
+                   ahead: list[float] | None = None) -> torch.Tensor:
     """The admitted width W (a 0-d long tensor, 1 = anchors only) for `survival` (R, G) (0 where a row has no
-    proposal) and `prices`, the seconds of a round of width 1..G + 1; on the survivals' device."""
-    rows = survival.shape[0]
-    expected = torch.cat([survival.new_full((1,), float(rows)), rows + survival.clamp(0, 1).sum(0).cumsum(0)])
-    if not early_stop:  # the global best on the raw prices (the paper's Appendix A: biased)
-        return (expected.double() / torch.tensor(prices, dtype=torch.float64, device=survival.device)).argmax() + 1
-    low, corner = (torch.tensor(values, device=survival.device) for values in hull(prices))
-    throughput = expected.double() / low.double()
-    return corner[(throughput[1:] > throughput[:-1]).long().cumprod(0).sum()]
+    proposal) and `prices`, the seconds of a round of width 1..G + 1; on the survivals' device. `ahead`: the rates
+    later slots are expected to be accepted at (host values from earlier rounds; None: none looked at)."""
+    rows, slots = survival.shape
+    device = survival.device
+    mass = torch.cat([survival.new_full((1,), float(rows)), survival.clamp(0, 1).sum(0)]).double()  # (G + 1,)
+    expected = rows + torch.cat([mass.new_zeros(1), mass[1:].cumsum(0)])  # at width 1 .. G + 1
+    price = torch.tensor(prices[: slots + 1], dtype=torch.float64, device=device)
+    if not early_stop:  # the global best on the survivals themselves (the paper's Appendix A: biased)
+        return (expected / price).argmax() + 1
+    gains = torch.tensor(_ahead_gains(ahead or [], slots + 1), dtype=torch.float64, device=device)
+    upper = torch.ones(slots + 1, slots + 1, dtype=torch.bool, device=device).triu()
+    projected = (expected[:, None] + mass[:, None] * gains) / price[None, :]  # from width k + 1 to k2 + 1
+    best_from = projected.masked_fill(~upper, float("-inf")).amax(1)  # the best round seen from each width
+    rises = best_from[1:] > expected[:-1] / price[:-1]  # admitting slot k + 1 (its survival known) can pay
+    return rises.long().cumprod(0).sum() + 1
 
 
 def survival_of(confidences: torch.Tensor, max_lengths: torch.Tensor | None) -> torch.Tensor:
@@ -78,17 +94,21 @@ class DSparkScheduler:
             best (biased, for comparison only).
         calibration: a `ConfidenceShift` the confidences are read through (a loop's, learnt from what it
             verified); None reads them as they are.
+        acceptance: a `SlotAcceptance` (a loop's) whose rates the rule expects later slots at; None looks no
+            further than the next slot.
     """
 
-    def __init__(self, costs, early_stop: bool = True, calibration: ConfidenceShift | None = None):
+    def __init__(self, costs, early_stop: bool = True, calibration: ConfidenceShift | None = None,
+                 acceptance: SlotAcceptance | None = None):
         self.costs = costs if isinstance(costs, CostModel) else CostModel(costs, learn=False)
-        self.early_stop, self.calibration = early_stop, calibration
+        self.early_stop, self.calibration, self.acceptance = early_stop, calibration, acceptance
 
     def select_lengths(self, confidences: torch.Tensor, max_lengths: torch.Tensor | None = None) -> torch.LongTensor:
         rows, gamma = confidences.shape
         if self.calibration is not None:
             confidences = self.calibration.apply(confidences)
         survival = survival_of(confidences, max_lengths)
-        width = admitted_width(survival, self.costs.forward_prices(rows, gamma + 1), self.early_stop)
+        ahead = self.acceptance.means(gamma) if self.acceptance is not None else None
+        width = admitted_width(survival, self.costs.forward_prices(rows, gamma + 1), self.early_stop, ahead)
         lengths = (width - 1).expand(rows)
         return lengths if max_lengths is None else torch.minimum(lengths, max_lengths.to(lengths.device))

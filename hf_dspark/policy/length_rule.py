@@ -23,12 +23,12 @@ class DraftLengthRule:
             `policy_arg`), ``"scheduler"`` (`policy_arg`, a `DSparkScheduler`, over all rows together).
         policy_arg: see `policy`.
         threshold_rule: ``"cumulative"`` or ``"per_slot"`` (the `dspark_confidence_threshold_rule` setting).
-        costs, calibration: the `CostModel` and `ConfidenceShift` of ``"scheduler"`` without a scheduler of its own
-            (the loop's).
+        costs, calibration, acceptance: the `CostModel`, `ConfidenceShift` and `SlotAcceptance` of ``"scheduler"``
+            without a scheduler of its own (the loop's).
     """
 
     def __init__(self, policy: str = "all", policy_arg=None, threshold_rule: str = "cumulative", costs=None,
-                 calibration=None):
+                 calibration=None, acceptance=None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}.")
         if policy == "fixed" and not (isinstance(policy_arg, int) and policy_arg >= 0):
@@ -37,7 +37,8 @@ class DraftLengthRule:
             raise ValueError(f"policy 'threshold' takes a survival threshold >= 0 (above 1 verifies no drafts), got "
                              f"{policy_arg!r}.")
         if policy == "scheduler" and policy_arg is None:  # the admission rule on the loop's own prices
-            policy_arg = DSparkScheduler(costs if costs is not None else CostModel(), calibration=calibration)
+            policy_arg = DSparkScheduler(costs if costs is not None else CostModel(), calibration=calibration,
+                                         acceptance=acceptance)
         if policy == "scheduler" and not hasattr(policy_arg, "select_lengths"):
             raise ValueError("policy 'scheduler' takes a hf_dspark.DSparkScheduler as policy_arg.")
         if threshold_rule not in CONFIDENCE_THRESHOLD_RULES:

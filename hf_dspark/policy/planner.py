@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..models.suffix import SuffixProposer
 from .acceptance import ConfidenceShift, SlotAcceptance, SuffixAcceptance, survivals
-from .admission import first_drop
+from .admission import best_width
 from .costs import CostModel
 
 DRAFTER, SUFFIX, NO_DRAFT = "drafter", "suffix", "none"
@@ -106,7 +106,7 @@ class RoundPolicy:
 
         expected = [len(budgets) + sum(max(gains(row, count)) for row in range(len(budgets)))
                     for count in range(len(prices))]  # at width count + 1, each row by its better proposer
-        width = first_drop(expected, [price + draft_seconds for price in prices])
+        width = best_width(expected, [price + draft_seconds for price in prices])
         sources, lengths = [], []
         for row, budget in enumerate(budgets):
             by_suffix, by_drafter = gains(row, width - 1)

@@ -73,7 +73,7 @@ class DraftingPlan:
         """The rule after drafting; the admission rule (``"scheduler"`` without a scheduler of its own) prices
         rounds with `costs`, the loop's cost model."""
         return DraftLengthRule(self.policy, self.policy_arg, self.settings.confidence_threshold_rule, costs,
-                               self.state.confidence_shift)
+                               self.state.confidence_shift, self.state.statistics.drafter)
 
     def cost_model(self, timed: bool = True) -> CostModel:
         """The loop's cost model: the one the call's state keeps for this cost-table setting (what earlier loops

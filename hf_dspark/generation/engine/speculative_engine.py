@@ -15,8 +15,8 @@ requests' bookkeeping `requests`, the round's decision `policy.planner`, transfo
 
 A round reads the device twice, whatever R: the verified lengths (and confidences), which fix the verification's
 width, and the accepted counts with the emitted tokens (each request's EOS and length limit are found on the host).
-Finishing requests add one read (the cache columns still used), a `"two_steps_ago"` `DSparkScheduler` another: four
-at most. A plain round reads once (the tokens), and once more when requests finish.
+Finishing requests add one read (the cache columns still used). A plain round reads once (the tokens), and once
+more when requests finish.
 
 A finished request (EOS or its `max_new_tokens`) is removed from every tensor and cache, so rounds only pay for the
 requests still running. Holes also make **continuous batching** cheap (`SpeculativeEngine`): a request that
