@@ -1,4 +1,5 @@
-"""Reading a JSON file the user pointed at (a cost table, an eval results.json): one error naming the file and the fix.
+"""Reading a JSON file the user pointed at (a cost table, an eval results.json, a drafting state): one error naming the
+file and the fix; checking its fields (`checked_fields`, `FieldCheck`); writing one atomically (`write_json`).
 
 Every read is bounded: a regular file only (never a device such as /dev/zero, a pipe such as /dev/stdin or a folder,
 which would block or never end), and at most `max_bytes` bytes of it (at most `max_bytes + 1` are ever read)."""
@@ -7,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
+from dataclasses import fields
 
+from .config_checks import is_finite_number
 from .errors import UserInputError
 
 MAX_JSON_BYTES = 16 * 2**20
@@ -76,3 +80,51 @@ def write_json(path, value, indent: int = 1) -> None:
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def checked_fields(saved, kind, prefix: str, source: str, fix: str, whole: str = "") -> dict:
+    """A copy of `saved`, refused unless it is a dict whose keys are fields of the dataclass `kind`."""
+    names = [f.name for f in fields(kind)]
+    what = prefix.rstrip(".") or whole or f"a {kind.__name__}"
+    if not isinstance(saved, dict):
+        raise UserInputError(f"{source}: {what} is a {type(saved).__name__}, not an object of {', '.join(names)}; "
+                             f"{fix}.")
+    unknown = sorted(repr(prefix + str(key))[:60] for key in set(saved) - set(names))
+    if unknown:
+        raise UserInputError(f"{source}: unknown field(s) {', '.join(unknown[:8])} (the "
+                             f"fields of {what} are {', '.join(names)}); {fix}.")
+    return dict(saved)
+
+
+class FieldCheck:
+    """Checks of a saved file's fields; each failure is one `UserInputError` naming field, value, source and fix."""
+
+    def __init__(self, source: str, fix: str):
+        self.source, self.fix = source, fix
+
+    def require(self, ok: bool, name: str, value, expected: str) -> None:
+        if not ok:
+            raise UserInputError(f"{self.source}: field {name} is {repr(value)[:80]}, not {expected}; {self.fix}.")
+
+    def value(self, value, name: str, low: float, high: float | None = None) -> float:
+        """`value` as a float: a finite number >= low, <= high when given."""
+        ok = is_finite_number(value) and value >= low and (high is None or value <= high)
+        self.require(ok, name, value, f"a finite number >= {low}" + (f" and <= {high}" if high is not None else ""))
+        return float(value)
+
+    def number(self, saved: dict, name: str, low: float, high: float | None = None, default: float | None = None):
+        """The float at `saved[name]` (the last part of a dotted name), `default` when left out."""
+        return self.value(saved.get(name.rsplit(".", 1)[-1], default), name, low, high=high)
+
+    def counts(self, saved: dict, name: str, low: int, check) -> dict:
+        """`saved[name]` as {int >= low: check(value)}; JSON keeps the int keys as strings of digits."""
+        table = saved.get(name.rsplit(".", 1)[-1], {})
+        self.require(isinstance(table, dict), name, table, f"an object of int keys >= {low}")
+        checked = {}
+        for key, value in table.items():
+            digits = isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,12}", key)
+            number = int(key) if digits else key
+            self.require(isinstance(number, int) and not isinstance(number, bool) and number >= low,
+                         f"{name} key", key, f"an int >= {low}")
+            checked[number] = check(value, f"{name}[{key!r}]")
+        return checked

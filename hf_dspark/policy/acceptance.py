@@ -10,6 +10,7 @@ the verifier keeps the output the target's.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import deque
@@ -99,14 +100,13 @@ class SuffixAcceptance:
         self.reached[match_length] = self.decay * self.reached.get(match_length, 0.0) + reached
 
 
-# The calibration is fitted to the last CALIBRATION_WINDOW verified drafts (about 150 rounds at one row, 4 at 64 rows).
-# Where confidences spread little (0.1 to 0.3) the slope's standard error is about 16 / sqrt(window): 256 left it at
-# 0.5, a 0.1 tilt across slots that are all accepted alike; 1024 halves it.
+# The calibration fits the last CALIBRATION_WINDOW verified drafts (about 150 rounds at one row, 4 at 64 rows). Where
+# confidences spread little (0.1 to 0.3) the slope's standard error is about 16 / sqrt(window): 256 left a 0.1 tilt
+# across slots accepted alike; 1024 halves it.
 CALIBRATION_WINDOW = 1024
 # The prior's precision on (slope, shift) around (1, 0), the head read as it is: what about four drafts tell (one
-# draft's information is p (1 - p) <= 1/4). A stochastic-gradient fit (step 0.1) needed about thirty rounds to leave a
-# head that read 0.3 where 0.9 was accepted, which cost a cold call 0.55x verify-seven at an acceptance of 0.9; with
-# this prior two rounds move it most of the way, and a head whose confidences are right stays where it is.
+# draft's information is p (1 - p) <= 1/4), so a few rounds move a head that reads 0.2 where 0.9 is accepted most of
+# the way, and a head whose confidences are right stays where it is.
 CALIBRATION_PRIOR = 1.0
 _EPSILON = 1e-4
 
@@ -123,8 +123,7 @@ class ConfidenceShift:
 
     A head learns the acceptance of the target and data it was trained on; served elsewhere its confidences can sit far
     from what is accepted. (a, d) is the posterior mode over the last `CALIBRATION_WINDOW` verified drafts under a
-    Gaussian prior at (1, 0), refitted by Newton steps (the log-likelihood is concave) before the confidences are next
-    read. One pair for every slot: the rule verifies late slots only once their confidences read high, so a pair of
+    Gaussian prior at (1, 0), refitted by Newton steps before the confidences are next read. One pair for every slot: the rule verifies late slots only once their confidences read high, so a pair of
     their own would never learn what the early slots show (measured at an acceptance of 0.9: per-slot shifts left the
     slots past the second at the head's level, 0.73x verify-all at one row). Where the head does not tell accepted
     drafts from rejected ones the slope falls towards 0. Lossless: both depend on earlier rounds only."""
@@ -143,30 +142,23 @@ class ConfidenceShift:
         self.stale = True
 
     def fit(self) -> None:
-        """Newton steps from the last fit to the posterior mode (two or three from one round's fit to the next; a step
-        is capped so that a window of a few outcomes cannot throw it far)."""
+        """Newton steps from the last fit to the mode (the log-posterior is concave; a step is capped so that a
+        window of a few outcomes cannot throw it far)."""
         self.stale = False
         if not self.logits:
             return
         x = numpy.fromiter(self.logits, dtype=numpy.float64)  # host values: numpy, not a device's tensors
-        y = numpy.fromiter(self.outcomes, dtype=numpy.float64)
-        slope, shift = self.slope, self.shift
+        features, y = numpy.stack([x, numpy.ones_like(x)], 1), numpy.fromiter(self.outcomes, dtype=numpy.float64)
+        theta, prior = numpy.array([self.slope, self.shift]), numpy.array([1.0, 0.0])
         for _ in range(50):
-            p = 1.0 / (1.0 + numpy.exp(-(slope * x + shift)))
-            weight, residual = p * (1.0 - p), y - p
-            g_slope = float(residual @ x) - CALIBRATION_PRIOR * (slope - 1.0)
-            g_shift = float(residual.sum()) - CALIBRATION_PRIOR * shift
-            h_aa = float(weight @ (x * x)) + CALIBRATION_PRIOR
-            h_ad = float(weight @ x)
-            h_dd = float(weight.sum()) + CALIBRATION_PRIOR
-            determinant = h_aa * h_dd - h_ad * h_ad
-            step_slope = (h_dd * g_slope - h_ad * g_shift) / determinant
-            step_shift = (h_aa * g_shift - h_ad * g_slope) / determinant
-            scale = min(1.0, 4.0 / max(abs(step_slope), abs(step_shift), 1e-12))
-            slope, shift = slope + scale * step_slope, shift + scale * step_shift
-            if max(abs(step_slope), abs(step_shift)) < 1e-6:
+            p = 1.0 / (1.0 + numpy.exp(-features @ theta))
+            gradient = features.T @ (y - p) - CALIBRATION_PRIOR * (theta - prior)
+            hessian = (features.T * (p * (1.0 - p))) @ features + CALIBRATION_PRIOR * numpy.eye(2)
+            step = numpy.linalg.solve(hessian, gradient)
+            theta = theta + step * min(1.0, 4.0 / max(float(abs(step).max()), 1e-12))
+            if abs(step).max() < 1e-6:
                 break
-        self.slope, self.shift = slope, shift
+        self.slope, self.shift = float(theta[0]), float(theta[1])
 
     def apply(self, confidences: torch.Tensor) -> torch.Tensor:
         """(R, G) confidences as calibrated, on their device."""
@@ -180,8 +172,4 @@ class ConfidenceShift:
 
 def survivals(rates: list[float]) -> list[float]:
     """S_j = c_1 * ... * c_j: the chance that the first j proposed tokens are all accepted."""
-    result, survival = [], 1.0
-    for rate in rates:
-        survival *= rate
-        result.append(survival)
-    return result
+    return list(itertools.accumulate(rates, lambda survival, rate: survival * rate))

@@ -9,19 +9,14 @@ all accepted), a round of width W emits in expectation
 
 tokens in F(R, W) (+ the drafter's pass, when it is still to be paid) seconds (`costs.CostModel`).
 
-Before drafting (`best_width`, on the host, `planner.RoundPolicy`) every survival is an estimate from earlier rounds
-and the rule takes the width of the highest expected tokens per second. After drafting (`admitted_width`, on the
-device) the slots are admitted one at a time while the expected tokens per second still rise, and the rule **stops
-at the first width that does not raise them**. That early stop is what keeps it lossless: whether slot j is
-verified depends on the survivals up to slot j only, S[., j] = c_1 ... c_j, which do not depend on the token drafted
-at slot j (the confidence c_{j+1} does: a rule that looked at later confidences, such as the global best over all
-widths, verifies slot j *because* its draft made the next confidence high, and biases the output; `early_stop=False`
-keeps that rule for the tests that show it). "Rise" looks past the next slot with the estimates alone: from slot j
-on, a row's later slots are expected to survive at the acceptance rates measured in earlier rounds (`ahead`), so the
-rule goes on while some wider round, on those estimates, beats the current width. Prices that jump (one row on a
-CPU: four tokens cost 1.35x three, then 5 % a token) are crossed when the slots behind the jump repay it, and no
-wider round is verified than one the estimates favour. Without estimates (`ahead` None) it is the DSpark paper's
-rule: the next slot only.
+Before drafting (`best_width`) every survival is an estimate and the rule takes the best width. After drafting
+(`admitted_width`, on the device) slots are admitted while expected tokens per second rise, and it **stops at the
+first width that no wider round beats**, the slots past the next expected at the rates earlier rounds measured
+(`ahead`; None: the next slot only, the DSpark paper's rule). The stop keeps it lossless: whether slot j is verified
+depends on c_1 ... c_j and earlier rounds, not on the token drafted at slot j (c_{j+1} does: the global best over
+the confidences, `early_stop=False`, verifies slot j *because* its draft made the next confidence high, and biases
+the output). The look ahead crosses a price jump (one row on a CPU: four tokens cost 1.35x three, then 5 % a token)
+where the slots behind it repay it.
 """
 
 from __future__ import annotations
@@ -43,14 +38,12 @@ def best_width(expected: list[float], seconds: list[float]) -> int:
 def _ahead_gains(ahead: list[float], width: int) -> list[list[float]]:
     """gains[k][k2] for k <= k2 < width: the tokens a survival of 1 at slot k is expected to add up to slot k2, later
     slots accepted at the rates `ahead` (slot j's at ahead[j - 1])."""
-    gains = []
+    gains = [[0.0] * width for _ in range(width)]
     for k in range(width):
-        row, survival, total = [0.0] * width, 1.0, 0.0
+        survival = 1.0
         for k2 in range(k + 1, width):
             survival *= ahead[k2 - 1] if k2 - 1 < len(ahead) else 0.0
-            total += survival
-            row[k2] = total
-        gains.append(row)
+            gains[k][k2] = gains[k][k2 - 1] + survival
     return gains
 
 

@@ -4,16 +4,12 @@ profiled table. The admission rule prices every round with it, before drafting a
     F(R, W) = seconds of a target forward over R rows of W tokens (N = R * W tokens)
     D(R)    = seconds of the drafter's pass over R rows
 
-A shape the loop ran is priced by what it measured there (an exponential moving average, so a change of load is
-followed within a few rounds). A shape it never ran is priced by the least it can cost: a forward over more tokens
-never costs less than one over fewer, so F(R, W) is at least the dearest shape measured over at most N tokens (next
-to nothing, with none), and at least the table's price where a table was profiled. That optimism is what keeps
-prices honest without probes: a shape is tried only while its least possible price could win, once, and from then on
-is priced by what it cost; a curve that is flat on a GPU and steep on a small CPU is learnt where the policy needs it,
-in at most one round per shape. (A line through the measured shapes instead prices a convex curve's middle high,
-and a shape priced out is never run to correct it: 0.92x the best fixed width at 64 rows in the GPU-shaped
-simulation, against 0.98x here.) The drafter's pass is priced the same way in R (free until it ran once,
-without a table).
+A shape the loop ran is priced by its measurements' moving average. A shape never run is priced by the least it can
+cost (a forward over more tokens never costs less than one over fewer): the dearest shape measured over at most N
+tokens, next to nothing with none, and at least a profiled table's price. That optimism keeps prices honest without
+probes: a shape is tried once while its least price could win, then priced by what it cost. (A line through the
+measured shapes prices a convex curve's middle high, and a shape priced out is never run to correct it: 0.92x the
+best fixed width at 64 rows in the GPU-shaped simulation, against 0.98x.) D(R) likewise (free until it ran once).
 """
 
 from __future__ import annotations

@@ -41,10 +41,6 @@ def _release(held: list) -> None:
         held[1] = False
 
 
-def _with_state(plan, state):
-    return replace(plan, settings=replace(plan.settings, state=state))
-
-
 @contextmanager
 def remembered_state(drafter, target, plan):
     """`plan` with the drafter's own state for `target` while the call runs (the plan unchanged when the call gave
@@ -54,7 +50,7 @@ def remembered_state(drafter, target, plan):
         yield plan
         return
     try:
-        yield _with_state(plan, held[0])
+        yield replace(plan, settings=replace(plan.settings, state=held[0]))
     finally:
         _release(held)
 
@@ -68,4 +64,4 @@ def hold_remembered_state(owner, drafter, target, plan):
     if held is None:
         return plan
     weakref.finalize(owner, _release, held)
-    return _with_state(plan, held[0])
+    return replace(plan, settings=replace(plan.settings, state=held[0]))

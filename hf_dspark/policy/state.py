@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..models.config_checks import is_finite_number
-from ..models.errors import UserInputError
-from ..models.json_files import read_json, write_json
+from ..models.json_files import FieldCheck, checked_fields, read_json, write_json
 from .acceptance import ConfidenceShift, SlotAcceptance, SuffixAcceptance
 
 # Decayed counts never exceed 1 / (1 - decay); a saved count beyond this is not one this code wrote.
@@ -70,9 +67,9 @@ def _checked_statistics(saved, source: str) -> ProposalStatistics:
     keeps its default."""
     if isinstance(saved, dict):
         saved = {key: value for key, value in saved.items() if key not in _RETIRED_FIELDS}
-    saved = _checked_fields(saved, ProposalStatistics, "", source)
-    suffix = _checked_fields(saved.pop("suffix", {}), SuffixAcceptance, "suffix.", source)
-    check, defaults = _StateCheck(source), SuffixAcceptance()
+    saved = checked_fields(saved, ProposalStatistics, "", source, _STATE_FIX, "a DraftingState")
+    suffix = checked_fields(saved.pop("suffix", {}), SuffixAcceptance, "suffix.", source, _STATE_FIX)
+    check, defaults = FieldCheck(source, _STATE_FIX), SuffixAcceptance()
     for name in ("prior_accepted", "prior_rejected"):
         suffix[name] = check.number(suffix, f"suffix.{name}", 0.0, high=_MAX_COUNT, default=getattr(defaults, name))
     prior = suffix["prior_accepted"] + suffix["prior_rejected"]
@@ -87,10 +84,10 @@ def _checked_statistics(saved, source: str) -> ProposalStatistics:
                               drafter=_checked_drafter(saved.pop("drafter", {}), check, source))
 
 
-def _checked_drafter(saved, check: "_StateCheck", source: str) -> SlotAcceptance:
+def _checked_drafter(saved, check: FieldCheck, source: str) -> SlotAcceptance:
     """The drafter's slot acceptance: a decay in [0, 1] and two lists of as many counts, none accepted more often
     than reached."""
-    drafter = _checked_fields(saved, SlotAcceptance, "drafter.", source)
+    drafter = checked_fields(saved, SlotAcceptance, "drafter.", source, _STATE_FIX)
     decay = check.number(drafter, "drafter.decay", 0.0, high=1.0, default=SlotAcceptance().decay)
     counts = {}
     for name in ("reached", "accepted"):
@@ -103,51 +100,3 @@ def _checked_drafter(saved, check: "_StateCheck", source: str) -> SlotAcceptance
     for slot, (accepted, reached) in enumerate(zip(counts["accepted"], counts["reached"])):
         check.require(accepted <= reached, f"drafter.accepted[{slot}]", accepted, f"<= drafter.reached[{slot}]")
     return SlotAcceptance(counts["reached"], counts["accepted"], decay)
-
-
-def _checked_fields(saved, kind, prefix: str, source: str) -> dict:
-    """A copy of `saved`, refused unless it is a dict whose keys are fields of the dataclass `kind`."""
-    names = [f.name for f in fields(kind)]
-    what = prefix.rstrip(".") or "a DraftingState"
-    if not isinstance(saved, dict):
-        raise UserInputError(f"{source}: {what} is a {type(saved).__name__}, not an object of {', '.join(names)}; "
-                             f"{_STATE_FIX}.")
-    unknown = sorted(repr(prefix + str(key))[:60] for key in set(saved) - set(names))
-    if unknown:
-        raise UserInputError(f"{source}: unknown field(s) {', '.join(unknown[:8])} (the "
-                             f"fields of {what} are {', '.join(names)}); {_STATE_FIX}.")
-    return dict(saved)
-
-
-class _StateCheck:
-    """Checks of saved DraftingState fields; each failure is one `UserInputError` naming field, value and source."""
-
-    def __init__(self, source: str):
-        self.source = source
-
-    def require(self, ok: bool, name: str, value, expected: str) -> None:
-        if not ok:
-            raise UserInputError(f"{self.source}: field {name} is {repr(value)[:80]}, not {expected}; {_STATE_FIX}.")
-
-    def value(self, value, name: str, low: float, high: float | None = None) -> float:
-        """`value` as a float: a finite number >= low, <= high when given."""
-        ok = is_finite_number(value) and value >= low and (high is None or value <= high)
-        self.require(ok, name, value, f"a finite number >= {low}" + (f" and <= {high}" if high is not None else ""))
-        return float(value)
-
-    def number(self, saved: dict, name: str, low: float, high: float | None = None, default: float | None = None):
-        """The float at `saved[name]` (the last part of a dotted name), `default` when left out."""
-        return self.value(saved.get(name.rsplit(".", 1)[-1], default), name, low, high=high)
-
-    def counts(self, saved: dict, name: str, low: int, check) -> dict:
-        """`saved[name]` as {int >= low: check(value)}; JSON keeps the int keys as strings of digits."""
-        table = saved.get(name.rsplit(".", 1)[-1], {})
-        self.require(isinstance(table, dict), name, table, f"an object of int keys >= {low}")
-        checked = {}
-        for key, value in table.items():
-            digits = isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,12}", key)
-            number = int(key) if digits else key
-            self.require(isinstance(number, int) and not isinstance(number, bool) and number >= low,
-                         f"{name} key", key, f"an int >= {low}")
-            checked[number] = check(value, f"{name}[{key!r}]")
-        return checked
