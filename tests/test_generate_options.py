@@ -56,6 +56,9 @@ REFUSED = {
     "force_words_ids": (dict(force_words_ids=[[5]], num_beams=2), "force_words_ids"),
     "prompt_lookup_num_tokens": (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
     "assistant_early_exit": (dict(assistant_early_exit=2), "assistant_early_exit"),
+    # transformers' own speculative switches (issue 44 §1): never silently one or the other.
+    "use_mtp": (dict(use_mtp=True), "use_mtp"),
+    "speculation_type": (dict(speculation_type="dflash"), "speculation_type"),
 }
 
 

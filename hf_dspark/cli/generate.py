@@ -128,7 +128,9 @@ def cmd_generate(args) -> int:
     drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
     if args.no_suffix:
         drafter.generation_config.dspark_suffix_drafting = False
-    if not args.no_schedule:
+    if args.no_schedule:
+        drafter.generation_config.dspark_round_planning = False
+    else:
         drafter.generation_config.dspark_cost_table = costs or cost_table_for(target, drafter,
                                                                               args.target or "smollm2-135m-instruct")
     state = DraftingState()  # what rounds learn carries over from turn to turn of the session
@@ -187,8 +189,9 @@ def add_parser(sub, dtypes) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--no-schedule", action="store_true",
-                     help="draft gamma tokens every round instead of pricing each round with the cost table "
-                          "(confidence-scheduled length, plain steps when drafting cannot pay)")
+                     help="draft and verify gamma tokens every round (dspark_round_planning=False, no cost table) "
+                          "instead of the verification policy (per round the drafter's block, a suffix proposal or "
+                          "a plain step, its width and the confidence-scheduled length, priced on this machine)")
     gen.add_argument("--no-suffix", action="store_true",
                      help="no suffix drafting beside the drafter (measure the drafter alone)")
     gen.add_argument("--cost-table", default=None, help="cost table from `hf-dspark profile` (default: profiled "

@@ -180,13 +180,17 @@ def _other_decoding_options(config) -> list[str]:
               if getattr(config, name, None) is not None]
     found += [f"penalty_alpha={config.penalty_alpha}"] if (config.penalty_alpha or 0) > 0 else []
     found += ["use_mtp=True"] if getattr(config, "use_mtp", False) else []
+    # transformers' own block drafter (DFlashTokenCandidateGenerator): it would run the hf_dspark drafter as a stock
+    # DFlash assistant, or hf_dspark would drop the switch; neither is what the call asked for.
+    found += [f"speculation_type={config.speculation_type!r}"] if getattr(config, "speculation_type", None) else []
     return found
 
 
 def refuse_other_decoding_methods(generation_config) -> None:
     """Refuse, before any token, what stock generate() would otherwise settle with a warning only: with beams or
     contrastive search it drops the drafter, with DoLa / prompt lookup / early exit beside an assistant it drops the
-    option. Either way the output would not be what the call asked for."""
+    option, and its own candidate generators (`use_mtp`, `speculation_type`) would take the drafter for one of theirs.
+    Either way the output would not be what the call asked for."""
     found = _other_decoding_options(generation_config)
     if found:
         raise UserInputError(
