@@ -129,7 +129,7 @@ def check_against_target(drafter, target, source, layout: str) -> None:
 
 def source_layout(folder: str | Path) -> str:
     """"hf_dspark", or the name of the other project's layout the drafter folder is in (`formats.layout_of`)."""
-    from ..models.formats import layout_of
+    from ..models.formats import layout_of, unread_layout_refusal
     from ..models.saved_config import read_config
 
     config, _ = read_config(folder, {})
@@ -137,6 +137,9 @@ def source_layout(folder: str | Path) -> str:
         return "hf_dspark"
     module = layout_of(config)
     if module is None:
+        refusal = unread_layout_refusal(config, folder)  # a layout known and not read
+        if refusal is not None:
+            raise DrafterLoadError(refusal)
         raise DrafterLoadError(f"{folder} holds no drafter layout hf_dspark reads (model_type "
                                f"{config.get('model_type')!r}, architectures {config.get('architectures')}).")
     return module.FORMAT

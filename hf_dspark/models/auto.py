@@ -4,7 +4,7 @@ checkpoint's config.json, as transformers' Auto classes pick a model class."""
 from __future__ import annotations
 
 from .errors import DrafterLoadError
-from .formats import LOADER_CALL, layout_of, load_layout
+from .formats import LOADER_CALL, layout_of, load_layout, unread_layout_refusal
 from .identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE
 from .saved_config import read_config
 
@@ -47,6 +47,9 @@ class AutoDrafter:
             return own[config["model_type"]].from_pretrained(pretrained_model_name_or_path, **kwargs)
         module = layout_of(config)
         if module is None:
+            refusal = unread_layout_refusal(config, pretrained_model_name_or_path)  # a layout known and not read
+            if refusal is not None:
+                raise DrafterLoadError(refusal)
             raise DrafterLoadError(
                 f"{pretrained_model_name_or_path} holds no drafter layout hf_dspark reads (model_type "
                 f"{config.get('model_type')!r}, architectures {config.get('architectures')}). It reads hf_dspark's "

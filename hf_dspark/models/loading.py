@@ -205,11 +205,11 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None, device: str | torc
     in ``dtype`` (None: as saved). A folder holding another kind of model (e.g. the target itself) is refused
     before anything is loaded, and weights are read from safetensors files inside the folder only."""
     from .auto import AutoDrafter
-    from .formats import layout_of
+    from .formats import layout_of, unread_layout_refusal
 
     config = read_saved_config(path, "drafter")
     if config is not None and config.get("model_type") not in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE) \
-            and layout_of(config) is None:
+            and layout_of(config) is None and unread_layout_refusal(config, path) is None:  # AutoDrafter names those
         raise UserInputError(
             f"{Path(path) / 'config.json'} has model_type {config.get('model_type')!r} and architectures "
             f"{config.get('architectures')}, so {path} is no drafter layout hf_dspark reads (its own, DeepSpec's, "

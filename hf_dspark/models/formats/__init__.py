@@ -38,6 +38,31 @@ def _layouts():
     return (specforge_dspark, lfm2_dspark, k3_dspark, target_mtp, deepspec, speculators, zlab_dflash)
 
 
+# Drafter layouts hf_dspark knows and does not read, by config.json model_type: what the folder holds, why it is not
+# read, and what runs it. They stay out of `layout_of` on purpose: generate() refuses an assistant whose config is in a
+# layout hf_dspark reads (`refuse_a_drafter_loaded_without_its_heads`), and these are transformers' own assistants,
+# which its own generate() must run with `import hf_dspark` exactly as without it (tests/test_transformers_paths.py).
+UNREAD_LAYOUTS = {
+    "muse_glimmer_assistant": (
+        "a Muse Glimmer DFlash assistant (model_type 'muse_glimmer_assistant', MuseGlimmerAssistantModel), the block "
+        "drafter transformers runs itself, which hf_dspark does not read: its layers are z-lab DFlash's under other "
+        "names (encoder.fc / encoder.output_norm_enc, block_size / mask_token_id / target_layer_ids at the top level "
+        "of config.json), but every layer attends bidirectionally within an inclusive sliding window, the block is "
+        "embedded with the target's raw embedding rows (bypassing the normed embedding of Muse Glimmer), and its "
+        "target, the multimodal MuseGlimmerForConditionalGeneration, is not one hf_dspark's decoding loop runs. Use "
+        "transformers' own DFlash: load it with transformers.AutoModel.from_pretrained(path) and call "
+        "target.generate(ids, assistant_model=assistant, speculation_type=\"dflash\")"
+    ),
+}
+
+
+def unread_layout_refusal(config: dict, path) -> str | None:
+    """Why the drafter folder `path` (its config.json read as `config`) is refused, when it is in one of the
+    `UNREAD_LAYOUTS`; None otherwise."""
+    what = UNREAD_LAYOUTS.get(config.get("model_type"))
+    return None if what is None else f"{path} holds {what}."
+
+
 def layout_of(config: dict):
     """The format module whose layout `config` (a config.json dict) is in, or None (hf_dspark's own, or none)."""
     if config.get("model_type") in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
