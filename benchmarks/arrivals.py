@@ -1,6 +1,6 @@
 """Issue 31 (2): requests arriving over time (Poisson) into `hf_dspark.SpeculativeEngine`, on real wall-clock time.
 
-    python benchmarks/arrivals.py --output benchmarks/results-arrivals/results.json
+    python benchmarks/arrivals.py --output benchmarks/arrivals/results.json
     python benchmarks/arrivals.py --rates 0.5,1 --requests 4 --max-new-tokens 8 --threads 1 --output /tmp/arr.json
     python benchmarks/arrivals.py --rates inf --methods plain,defaults --no-sim --output /tmp/together.json
 
@@ -66,7 +66,7 @@ parser.add_argument("--no-warmup", action="store_true")
 parser.add_argument("--sim-rows", default="1,2,4,8,16,32,64,128,256", help="R values of the simulation")
 parser.add_argument("--sim-rounds", type=int, default=200)
 parser.add_argument("--no-sim", action="store_true")
-parser.add_argument("--output", default="benchmarks/results-arrivals/results.json")
+parser.add_argument("--output", default="benchmarks/arrivals/results.json")
 add_prompt_arguments(parser)
 args = parser.parse_args()
 try:

@@ -1,6 +1,6 @@
 """Batched serving with the DSpark scheduler: real runs on this machine, plus a simulation on a GPU-like cost curve.
 
-    python benchmarks/batched_serving.py --output benchmarks/results-batched
+    python benchmarks/batched_serving.py --output benchmarks/batched-serving
 
 Real part: the embedded SmolLM2-135M-Instruct target and the shipped DSpark drafter serve R = 1, 2, 4, 8, 16
 concurrent requests (held-out math, code and chat prompts, greedy, float32 so every request can be checked against
@@ -34,7 +34,7 @@ from hf_dspark.policy import DSparkScheduler, VerificationCostTable
 from hf_dspark.evaluation.simulation import ConfidenceModel, expected_tau, gpu_like_costs, simulate_policy
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--output", default="benchmarks/results-batched")
+parser.add_argument("--output", default="benchmarks/batched-serving")
 parser.add_argument("--requests", type=int, nargs="*", default=[1, 2, 4, 8, 16])
 parser.add_argument("--max-new-tokens", type=int, default=64)
 parser.add_argument("--threshold", type=float, default=0.25)

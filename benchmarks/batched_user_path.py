@@ -1,7 +1,7 @@
 """Issue 31 (1): batched speculative decoding through the user path, against plain batched `generate`.
 
-    python benchmarks/batched_user_path.py --output benchmarks/results-user-path/results.json
-    python benchmarks/batched_user_path.py --prompt-set code-edit --output benchmarks/results-code-edit/results.json
+    python benchmarks/batched_user_path.py --output benchmarks/batched-user-path/results.json
+    python benchmarks/batched_user_path.py --prompt-set code-edit --output benchmarks/batched-user-path/code-edit.json
     python benchmarks/batched_user_path.py --rows 1,2 --batches 1 --max-new-tokens 8 --threads 1 --output /tmp/up.json
 
 What a user writes: `target.generate(**tok(batch, return_tensors="pt", padding=True), assistant_model=drafter,
@@ -58,7 +58,7 @@ parser.add_argument("--cost-table", default=None,
 parser.add_argument("--profile-repeats", type=int, default=5)
 parser.add_argument("--profile-context", type=int, default=256)
 parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up call per method and R")
-parser.add_argument("--output", default="benchmarks/results-user-path/results.json")
+parser.add_argument("--output", default="benchmarks/batched-user-path/results.json")
 add_prompt_arguments(parser)
 args = parser.parse_args()
 rows_list = [int(r) for r in args.rows.split(",")]

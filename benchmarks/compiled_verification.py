@@ -1,7 +1,7 @@
 """Compiled verification at batch 1, side by side in one run: plain greedy, plain greedy compiled (stock generate with
 a static cache), our loop eager (the default dynamic cache) and our loop compiled (`cache_implementation="static"`).
 
-    python benchmarks/compiled_verification.py [--smollm2] [--output benchmarks/results-compiled-verification.txt]
+    python benchmarks/compiled_verification.py [--smollm2] [--output benchmarks/compiled-verification/results.txt]
 
 The tiny target is a random 4-layer Llama with a random DSpark drafter (its tau is about 1: what is measured there is
 the loop's and the forwards' overhead); `--smollm2` adds the default SmolLM2-135M-Instruct target with the shipped

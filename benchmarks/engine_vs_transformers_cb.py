@@ -1,6 +1,6 @@
 """Issue 31 (3): hf_dspark's engine without a drafter against transformers' own continuous batching, same requests.
 
-    python benchmarks/engine_vs_transformers_cb.py --output benchmarks/results-engine-vs-cb/results.json
+    python benchmarks/engine_vs_transformers_cb.py --output benchmarks/engine-vs-transformers-cb/results.json
     python benchmarks/engine_vs_transformers_cb.py --requests 2 --max-new-tokens 8 --threads 1 --output /tmp/cb.json
 
 Both serve the same chat-templated prompts (the mix, `--seed`), greedy, float32, the same `max_new_tokens` and EOS,
@@ -48,7 +48,7 @@ parser.add_argument("--cb-memory-default", action="store_true",
 parser.add_argument("--cb-max-batch-tokens", type=int, default=None, help="ContinuousBatchingConfig.max_batch_tokens")
 parser.add_argument("--cb-no-warmup", action="store_true", help="generate_batch(warmup=False)")
 parser.add_argument("--no-identity", action="store_true", help="skip the own-plain reference (batch-1 runs)")
-parser.add_argument("--output", default="benchmarks/results-engine-vs-cb/results.json")
+parser.add_argument("--output", default="benchmarks/engine-vs-transformers-cb/results.json")
 add_prompt_arguments(parser)
 args = parser.parse_args()
 output = Path(args.output)

@@ -1,7 +1,7 @@
 """Measured tau and per-slot acceptance of drafters on held-out eval prompts, side by side (the drafter alone:
 no suffix drafting, no schedule, every slot verified; float32 greedy through `target.generate`).
 
-    python benchmarks/held_out_tau.py --output benchmarks/results-held-out-tau-v5.md      # the shipped drafters
+    python benchmarks/held_out_tau.py --output benchmarks/held-out-tau/results.md      # the shipped drafters
     python benchmarks/held_out_tau.py --drafters dspark=/work/runs/v5/dspark ... --output ...
 
 Same prompts, plain outputs and scoring as `benchmarks/recipe_ablation.py` (eval-set first turns from the second

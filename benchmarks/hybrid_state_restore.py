@@ -18,13 +18,13 @@ a prefilled cache (median of repeats, one thread):
   that forward does not keep the state after its replayed prefix either, so a real fold would replay everything
   since the last round that accepted all its tokens, or keep that one position's state (C's mechanism).
 
-    OMP_NUM_THREADS=1 python benchmarks/hybrid_state_restore.py --output benchmarks/results-hybrid-state-restore.md
+    OMP_NUM_THREADS=1 python benchmarks/hybrid_state_restore.py --output benchmarks/hybrid-state-restore/results.md
 
-Reading (`benchmarks/results-hybrid-state-restore.md`, 2 shared CPU cores): C costs nothing measurable on the
+Reading (`benchmarks/hybrid-state-restore/results.md`, 2 shared CPU cores): C costs nothing measurable on the
 real-width slices (-2..+3% over the bare forward; LFM2's convolutions only keep a longer window) and 28-30% on the
 tiny Qwen3.5, where the one-token kernel's Python overhead per token and layer is all there is; A costs 40-100%
 whenever a token is rejected (a second forward); B 4-18% as timed, more in truth (see above). hf_dspark uses C
-(`hf_dspark/generation/recurrent_states.py`): no extra forward, no extra tokens, transformers' own bookkeeping, and
+(`hf_dspark/transformers_internals/recurrent_states.py`): no extra forward, no extra tokens, transformers' own bookkeeping, and
 in the batched engine it gives every row its own accepted state from the one forward.
 """
 

@@ -6,7 +6,7 @@ on both alike.
 
     OMP_NUM_THREADS=1 python benchmarks/regeneration_speed.py --conversations 32 --batch-size 16 \
         --max-new-tokens 64 --max-turns 2 --greedy-fractions 1.0 0.75 --repeats 2 --threads 1 \
-        --output benchmarks/regeneration/results.md
+        --output benchmarks/regeneration-speed/results.md
 
 Answer tokens are counted up to and including EOS (what the training data holds). The prompt mix is ShareGPT's
 decontaminated conversations with their later user turns. Two comparisons: all greedy (both paths do the same work,
@@ -98,7 +98,7 @@ def report(args, count: int, config: RegenerationConfig, results: dict) -> str:
         f"Command: `OMP_NUM_THREADS={args.threads} python benchmarks/regeneration_speed.py --conversations "
         f"{args.conversations} --batch-size {args.batch_size} --max-new-tokens {args.max_new_tokens} --max-turns "
         f"{args.max_turns} --greedy-fractions {fractions} --repeats {args.repeats} --threads {args.threads} "
-        "--output benchmarks/regeneration/results.md`",
+        "--output benchmarks/regeneration-speed/results.md`",
         "",
         f"{count} decontaminated ShareGPT conversations (from offset {args.skip}), first prompts <= "
         f"{args.max_prompt_tokens} tokens, up to {args.max_turns} user turns answered, answers <= "

@@ -5,7 +5,7 @@ drafter's block, the verification, the bookkeeping). Measured side by side in on
 timed in alternation and the medians compared. Host syncs (`hf_dspark.evaluation.host_syncs`) are counted per
 round at batch 1 for every drafter kind, and per engine step for batches of R rows.
 
-    OMP_NUM_THREADS=1 python benchmarks/round_overhead.py --output benchmarks/results-round-overhead.md
+    OMP_NUM_THREADS=1 python benchmarks/round_overhead.py --output benchmarks/round-overhead/results.md
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Issue 43: serving over HTTP, in the form `vllm bench serve` / GuideLLM use: each method is a real server process
 on loopback, driven by the official `openai` client (streaming chat completions with usage, greedy).
 
-    python benchmarks/serve_http.py --output benchmarks/results-serve-http/results.json
+    python benchmarks/serve_http.py --output benchmarks/serve-http/results.json
     python benchmarks/serve_http.py --rates 1 --concurrency 1,4 --requests 6 --max-tokens 32 --output /tmp/http.json
 
 Methods (`--methods`): `dspark` (`hf-dspark serve`, its defaults: the shipped DSpark drafter, cost table and round
@@ -46,7 +46,7 @@ parser.add_argument("--requests", type=int, default=16, help="requests per load"
 parser.add_argument("--max-tokens", type=int, default=64)
 parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--startup-timeout", type=float, default=600)
-parser.add_argument("--output", default="benchmarks/results-serve-http/results.json")
+parser.add_argument("--output", default="benchmarks/serve-http/results.json")
 add_prompt_arguments(parser, max_prompt_tokens=384)
 args = parser.parse_args()
 methods = args.methods.split(",")

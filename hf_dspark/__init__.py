@@ -16,17 +16,18 @@ from .generation import (SpeculativeDecoderOnlyOutput, SpeculativeEngine, Specul
 from .generation.call.custom_generate import custom_generate_for
 from .generation.call.integration import install_generate_hooks
 from .models import *  # noqa: F401,F403  (the drafter API, `hf_dspark.models.__all__`, is the package's too)
-from .models import DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig, Eagle3DraftModel
+from .models import (DFlash2DraftConfig, DFlash2DraftModel, DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig,
+                     Eagle3DraftModel)
 from .models.loading import shipped_drafter_path
 from .policy import DraftingState, DSparkScheduler, VerificationCostTable
 from .targets.default_target import default_target_dir, load_default_target
 
-AutoConfig.register(DSparkDraftConfig.model_type, DSparkDraftConfig, exist_ok=True)
-AutoConfig.register(Eagle3DraftConfig.model_type, Eagle3DraftConfig, exist_ok=True)
-AutoModel.register(DSparkDraftConfig, DSparkDraftModel, exist_ok=True)
-AutoModel.register(Eagle3DraftConfig, Eagle3DraftModel, exist_ok=True)
-# save_pretrained then copies the modeling code and writes `auto_map`, so a folder loads without hf_dspark too.
-for _config_class, _model_class in ((DSparkDraftConfig, DSparkDraftModel), (Eagle3DraftConfig, Eagle3DraftModel)):
+_DRAFTER_CLASSES = ((DSparkDraftConfig, DSparkDraftModel), (Eagle3DraftConfig, Eagle3DraftModel),
+                    (DFlash2DraftConfig, DFlash2DraftModel))
+for _config_class, _model_class in _DRAFTER_CLASSES:
+    AutoConfig.register(_config_class.model_type, _config_class, exist_ok=True)
+    AutoModel.register(_config_class, _model_class, exist_ok=True)
+    # save_pretrained then copies the modeling code and writes `auto_map`, so a folder loads without hf_dspark too.
     _config_class.register_for_auto_class("AutoConfig")
     _model_class.register_for_auto_class("AutoModel")
 install_generate_hooks()

@@ -1,6 +1,6 @@
 """Write the model cards of the shipped SmolLM2 drafters from their recorded training stages and a bench JSON.
 
-    python scripts/write_cards.py --bench benchmarks/results-bench-v7.json
+    python scripts/write_cards.py --bench benchmarks/bench/fp32.json
 
 Each shipped folder's `training_stages.json` (written by `scripts/ship_drafter.py`) lists the stages the drafter
 went through, in order: the first trained it from scratch, each later one continued the previous stage's drafter
@@ -45,7 +45,7 @@ def measured_section(kind: str) -> str:
             rows.append(f"| {setting} | {description} | {m['tokens_per_s']} | {m['speedup']}x | {m.get('tau')} | "
                         f"{slots} | {m.get('identical_to_plain', '-')} |")
     return (f"`{bench['command']}` (held-out eval prompts, batch 1, 2 CPU cores; the full report is "
-            f"`benchmarks/{Path(args.bench).with_suffix('.md').name}`):\n\n" + "\n".join(rows) + "\n\n"
+            f"`{Path(args.bench).with_suffix('.md').as_posix()}`):\n\n" + "\n".join(rows) + "\n\n"
             "Exactness is checked in float32, where every greedy output is identical to plain greedy. In bfloat16 "
             "the target is not reproducible across forward shapes on this CPU (a forward over n tokens rounds "
             "differently from n one-token forwards), so its own argmax sometimes flips between plain decoding and "

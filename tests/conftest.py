@@ -55,11 +55,18 @@ def tiny_target(family: str, vocab_size: int = VOCAB, seed: int = 0, **overrides
 
 
 def tiny_drafter(target, kind: str = "markov", block_size: int = 4, seed: int = 1, **overrides):
-    """kind: markov | gated | rnn | dflash | eagle3."""
+    """kind: markov | gated | rnn | dflash | dflash2 | eagle3."""
     torch.manual_seed(seed)
     if kind == "eagle3":
         config = hf_dspark.Eagle3DraftConfig.from_target_config(target.config, block_size=block_size, **overrides)
         return hf_dspark.Eagle3DraftModel(config).eval()
+    if kind == "dflash2":
+        # 3 candidates per slot: fewer than even the 6-token vocabulary of the sampling tests, so the selector's q
+        # leaves tokens out and rejection sampling must produce them from the residual.
+        overrides = {"selector_rank": 8, "selector_top_k": 3, "conv_kernel_size": 3, **overrides}
+        config = hf_dspark.DFlash2DraftConfig.from_target_config(target.config, num_hidden_layers=2,
+                                                                 block_size=block_size, **overrides)
+        return hf_dspark.DFlash2DraftModel(config).eval()
     if kind == "dflash":
         config = hf_dspark.build_dflash_config(target.config, num_hidden_layers=2, block_size=block_size, **overrides)
     else:

@@ -76,7 +76,7 @@ POLICIES = [("all", None), ("fixed", 1), ("threshold", 0.3), ("scheduler", "tabl
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("kind", ["markov", "dflash"])
+@pytest.mark.parametrize("kind", ["markov", "dflash", "dflash2"])
 def test_greedy_rows_match_plain_greedy(family, kind):
     target = tiny_target(family)
     drafter = tiny_drafter(target, kind, block_size=4)
@@ -84,7 +84,7 @@ def test_greedy_rows_match_plain_greedy(family, kind):
     expected = plain_greedy(target, prompt_list)
     ids, mask = left_pad(prompt_list)
     for policy, arg in POLICIES:
-        if kind == "dflash" and policy in ("threshold", "scheduler"):
+        if kind in ("dflash", "dflash2") and policy in ("threshold", "scheduler"):
             continue
         arg = scheduler() if arg == "table" else arg
         out = batched_speculative_generate(target, drafter, ids, mask, max_new_tokens=MAX_NEW, policy=policy,
@@ -102,7 +102,8 @@ def test_greedy_rows_match_plain_greedy(family, kind):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("kind,policy", [("markov", "all"), ("dflash", "all"), ("markov", "scheduler")])
+@pytest.mark.parametrize("kind,policy", [("markov", "all"), ("dflash", "all"), ("dflash2", "all"),
+                                         ("markov", "scheduler")])
 def test_greedy_rows_with_accepted_drafts(monkeypatch, family, kind, policy):
     """Rows accept 0..gamma drafts in the same round, so their caches fill with holes at different places."""
     target = tiny_target(family)
@@ -246,7 +247,7 @@ def run_staggered(engine, prompt_list, arrivals: dict[int, int], max_new: dict[i
     return {ids[request]: sequence for request, sequence in outputs.items()}
 
 
-@pytest.mark.parametrize("kind", ["markov", "dflash"])
+@pytest.mark.parametrize("kind", ["markov", "dflash", "dflash2"])
 @pytest.mark.parametrize("oracle", [False, True])
 def test_engine_requests_joining_late_match_plain_greedy(monkeypatch, kind, oracle):
     target = tiny_target("llama")

@@ -8,7 +8,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from hf_dspark.generation.transformers_internals import mask_taking_attention
+from hf_dspark.transformers_internals.cache_layers import mask_taking_attention
 from conftest import prompts, tiny_drafter, tiny_target
 from test_batched import left_pad
 from test_batched_generate import unpadded_rows

@@ -30,7 +30,7 @@ def unpadded_rows(result: torch.Tensor, mask: torch.Tensor, pad: int) -> list[li
     return rows
 
 
-@pytest.mark.parametrize("kind", ["markov", "dflash"])
+@pytest.mark.parametrize("kind", ["markov", "dflash", "dflash2"])
 def test_greedy_batch_matches_plain_greedy_per_prompt(kind):
     target = tiny_target("llama")
     drafter = tiny_drafter(target, kind, block_size=4)

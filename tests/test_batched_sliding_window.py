@@ -18,7 +18,7 @@ from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_fun
 
 import hf_dspark.generation.engine.speculative_engine as batched
 import hf_dspark.generation.engine.passes as engine_rounds
-from hf_dspark.generation.recurrent_states import keeps_states_per_position
+from hf_dspark.transformers_internals.recurrent_states import keeps_states_per_position
 from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.generation.engine.checks import new_target_cache
 from hf_dspark.generation.engine import masks as engine_masks

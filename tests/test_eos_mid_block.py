@@ -23,7 +23,7 @@ from hf_dspark.policy import VerificationCostTable
 from conftest import prompts, tiny_drafter, tiny_target
 from test_batched import left_pad
 
-KINDS = ["markov", "gated", "rnn", "dflash", "eagle3"]
+KINDS = ["markov", "gated", "rnn", "dflash", "dflash2", "eagle3"]
 BATCHES = [1, 3, 5]
 BLOCK = 4  # every kind drafts 4 slots a round here
 MAX_NEW = 16

@@ -13,7 +13,7 @@ from hf_dspark.generation.one_prompt.proposers import DraftCandidateGenerator
 from hf_dspark.generation.round.sampling import ProcessorSampling
 from conftest import prompts, tiny_drafter, tiny_target
 
-DRAFTER_KINDS = ["markov", "gated", "rnn", "dflash", "eagle3"]
+DRAFTER_KINDS = ["markov", "gated", "rnn", "dflash", "dflash2", "eagle3"]
 
 
 def plain_greedy(target, ids, **kwargs):
@@ -216,7 +216,7 @@ def test_plain_and_stock_assisted_generate_untouched(device, monkeypatch):
             pytest.skip(f"stock transformers' {name} decoding departs from plain greedy on its own: {unhooked[:2]}")
 
 
-@pytest.mark.parametrize("kind", ["markov", "eagle3"])
+@pytest.mark.parametrize("kind", ["markov", "dflash2", "eagle3"])
 def test_draft_vocabulary_only_proposes_its_tokens_and_stays_exact(kind, device):
     target = tiny_target("llama").to(device)
     drafter = tiny_drafter(target, kind, draft_vocab_size=24).to(device)

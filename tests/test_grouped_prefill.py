@@ -11,7 +11,7 @@ import torch
 import hf_dspark.generation.engine.passes as passes
 from hf_dspark.generation.engine.passes import prefill_groups
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
-from hf_dspark.generation.recurrent_states import keeps_states_per_position
+from hf_dspark.transformers_internals.recurrent_states import keeps_states_per_position
 from conftest import VOCAB, tiny_drafter, tiny_target
 from test_batched import left_pad
 from test_batched_generate import unpadded_rows

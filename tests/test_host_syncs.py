@@ -38,7 +38,7 @@ def syncs_per_round(target, drafter, ids, do_sample=False, new_tokens=33):
     return (counts[1][0] - counts[0][0]) / (counts[1][1] - counts[0][1])
 
 
-@pytest.mark.parametrize("kind", ["markov", "gated", "rnn", "dflash", "eagle3"])
+@pytest.mark.parametrize("kind", ["markov", "gated", "rnn", "dflash", "dflash2", "eagle3"])
 @pytest.mark.parametrize("costs", [None, COSTS], ids=["no-costs", "cost-table"])
 def test_batch_one_reads_the_device_at_most_twice_per_round(kind, costs):
     target = tiny_target("llama")
@@ -47,7 +47,7 @@ def test_batch_one_reads_the_device_at_most_twice_per_round(kind, costs):
     ids = prompts(1, length=10)[0]
     assert syncs_per_round(target, drafter, ids) <= 2.0
     assert syncs_per_round(target, drafter, ids, do_sample=True) <= 2.0
-    if kind in ("dflash", "eagle3"):  # no confidences to read: the verification's outcome only
+    if kind in ("dflash", "dflash2", "eagle3"):  # no confidences to read: the verification's outcome only
         assert syncs_per_round(target, drafter, ids) <= 1.0
 
 

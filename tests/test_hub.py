@@ -20,7 +20,7 @@ from conftest import tiny_drafter, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = hf_dspark.shipped_drafter_path("dspark")
-EVAL_RESULTS = ROOT / "benchmarks" / "eval-v1" / "results.json"
+EVAL_RESULTS = ROOT / "benchmarks" / "eval" / "results.json"  # the latest `hf-dspark eval` (benchmarks/README.md)
 
 # Runs in a fresh interpreter where `import hf_dspark` fails: only transformers' remote-code loading can help.
 WITHOUT_HF_DSPARK = textwrap.dedent("""
@@ -71,7 +71,7 @@ def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("saved")
     target = tiny_target("llama")
     target.save_pretrained(folder / "target")
-    for kind in ("markov", "eagle3"):
+    for kind in ("markov", "eagle3", "dflash2"):
         tiny_drafter(target, kind, block_size=4).save_pretrained(folder / kind)
     return folder, target
 
@@ -95,7 +95,7 @@ def test_saved_folder_carries_auto_map_modeling_code_and_custom_generate(saved):
     assert eagle["auto_map"]["AutoModel"] == "modeling_eagle3.Eagle3DraftModel"
 
 
-@pytest.mark.parametrize("kind", ["markov", "eagle3"])
+@pytest.mark.parametrize("kind", ["markov", "eagle3", "dflash2"])
 def test_stock_transformers_loads_and_generates_without_hf_dspark(saved, tmp_path, kind):
     folder, _ = saved
     result = run_without_hf_dspark(tmp_path, folder / kind, folder / "target", [5, 9, 17, 3, 44, 61], 24)
@@ -221,7 +221,8 @@ def test_push_cli_dry_run_keeps_the_shipped_card_and_fills_results(tmp_path):
     assert main(["push", str(SHIPPED), "org/dspark-smollm2", "--dry-run", str(out), "--eval", str(EVAL_RESULTS)]) == 0
     card = (out / "README.md").read_text()
     assert card.startswith((SHIPPED / "README.md").read_text().split("## Measured")[0])
-    assert "| overall | 6 |" in card
+    overall = json.loads(EVAL_RESULTS.read_text())["results"]["dspark"]["overall"]
+    assert f"| overall | {overall['prompts']} |" in card
     reloaded = hf_dspark.DSparkDraftModel.from_pretrained(out)
     assert reloaded.config.to_dict()["draft_vocab_size"] == 8192
     # The shipped folder holds no code; what gets pushed does (written at save time).

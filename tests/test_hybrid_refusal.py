@@ -5,7 +5,7 @@ every release: on newer ones the missing support is simulated."""
 import pytest
 import transformers
 
-import hf_dspark.generation.recurrent_states as recurrent_states
+import hf_dspark.transformers_internals.recurrent_states as recurrent_states
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.models.errors import UserInputError
 from conftest import prompts, tiny_drafter, tiny_target

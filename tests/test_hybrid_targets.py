@@ -16,7 +16,7 @@ from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.generation.engine.eagle3 import row_drafter_for
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.generation.one_prompt.proposers import DraftCandidateGenerator
-from hf_dspark.generation.recurrent_states import keeps_states_per_position, state_problems
+from hf_dspark.transformers_internals.recurrent_states import keeps_states_per_position, state_problems
 from hf_dspark.policy import VerificationCostTable
 from hf_dspark.training import DSparkTrainer
 from hf_dspark.training.init import init_context_from_target, init_layers_from_target

@@ -27,6 +27,7 @@ from hf_dspark.generation.call.integration import (
 )
 from hf_dspark.generation.call.settings import SETTING_NAMES
 from hf_dspark.models import UserInputError
+from hf_dspark.transformers_internals.generate_hooks import stock_method
 from conftest import prompts, tiny_drafter, tiny_target
 from test_batched import left_pad
 
@@ -47,7 +48,7 @@ PINNED_PRIVATE_SIGNATURES = {
 
 def stock(name: str):
     """The transformers method itself, wrapped by `import hf_dspark` or not."""
-    return integration._stock_method(GenerationMixin, name)
+    return stock_method(GenerationMixin, name)
 
 
 def test_installed_transformers_keeps_the_private_signatures_the_wrappers_rely_on():
@@ -55,7 +56,7 @@ def test_installed_transformers_keeps_the_private_signatures_the_wrappers_rely_o
         found = list(inspect.signature(stock(name)).parameters)
         assert found == pinned, (
             f"transformers {transformers.__version__} changed GenerationMixin.{name}: parameters {found}, the "
-            f"wrapper in hf_dspark/generation/integration.py is written for {pinned}. Update the wrapper (and this "
+            f"wrapper in hf_dspark/transformers_internals/generate_hooks.py is written for {pinned}. Update the wrapper (and this "
             f"pin) or pin {SUPPORTED_TRANSFORMERS}."
         )
     problems = hook_signature_problems() + loop_support_problems(GenerationMixin)

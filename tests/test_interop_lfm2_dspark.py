@@ -13,7 +13,7 @@ import torch
 from transformers import Lfm2Config, Lfm2ForCausalLM
 
 import hf_dspark
-from hf_dspark.generation.recurrent_states import keeps_states_per_position
+from hf_dspark.transformers_internals.recurrent_states import keeps_states_per_position
 from hf_dspark.models.errors import DrafterLoadError, UserInputError
 from layout_fixtures import (agreeing_markov_head, assert_greedy_identical, bigram_target, random_tensors,
                              write_checkpoint)

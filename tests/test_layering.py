@@ -1,8 +1,9 @@
-"""Dependencies run one way: models at the bottom, then targets (the default target and `load_target`), policy,
-generation, evaluation (prompt sets, harness), training (which decontaminates against the evaluation sets), hub, the
-package itself, then the command line. Checked on the source (ast), so lazy imports inside functions count too, as do
-`importlib.import_module("hf_dspark....")` calls. No two modules import each other, directly or round a longer
-circle, when they are imported; and the core imports no optional dependency at module level."""
+"""Dependencies run one way: transformers_internals (every use of transformers' private API) at the bottom, then
+models, targets (the default target and `load_target`), policy, generation, evaluation (prompt sets, harness), training
+(which decontaminates against the evaluation sets), hub, the package itself, then the command line. Checked on the
+source (ast), so lazy imports inside functions count too, as do `importlib.import_module("hf_dspark....")` calls. No
+two modules import each other, directly or round a longer circle, when they are imported; and the core imports no
+optional dependency at module level."""
 
 import ast
 import subprocess
@@ -185,8 +186,8 @@ def test_there_are_no_package_level_cycles():
     cycles = [c for c in (cycle_from(n) for n in sorted(edges)) if c]
     assert cycles == [], " ; ".join(" -> ".join(c) for c in cycles)
     # The order the layers form (each imports only layers to its left):
-    order = ["_version", "models", "targets", "policy", "generation", "evaluation", "training", "hub", "hf_dspark",
-             "serve", "cli", "__main__"]
+    order = ["_version", "transformers_internals", "models", "targets", "policy", "generation", "evaluation", "training",
+             "hub", "hf_dspark", "serve", "cli", "__main__"]
     for source, targets in edges.items():
         for target in targets:
             assert order.index(target) < order.index(source), f"{source} imports {target}"

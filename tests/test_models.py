@@ -140,7 +140,7 @@ def test_sequential_and_confidence_heads_follow_previous_tokens():
     torch.testing.assert_close(partial.logits, out.logits[selected], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["markov", "gated", "rnn", "dflash", "eagle3"])
+@pytest.mark.parametrize("kind", ["markov", "gated", "rnn", "dflash", "dflash2", "eagle3"])
 def test_save_and_auto_load_round_trip(tmp_path, kind):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target, kind)

@@ -117,7 +117,7 @@ def assert_matches(counts: torch.Tensor, probs: torch.Tensor, biased: torch.Tens
     return expected_statistic(biased, probs, samples) / bound
 
 
-@pytest.mark.parametrize("kind", ["markov", "eagle3", "markov-scheduled", "markov-suffix", "eagle3-suffix",
+@pytest.mark.parametrize("kind", ["markov", "eagle3", "dflash2", "markov-scheduled", "markov-suffix", "eagle3-suffix",
                                   "markov-slot0unused"])
 @pytest.mark.slow  # a sampling-distribution test
 def test_generate_sampling_matches_target_distribution(kind, device):

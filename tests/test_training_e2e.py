@@ -48,7 +48,7 @@ def mean_tau(target, drafter, examples, new_tokens=40):
     return sum(taus) / len(taus)
 
 
-@pytest.mark.parametrize("kind,steps", [("markov", 150), ("dflash", 150), ("eagle3", 150)])
+@pytest.mark.parametrize("kind,steps", [("markov", 150), ("dflash", 150), ("dflash2", 150), ("eagle3", 150)])
 def test_training_lowers_loss_and_raises_acceptance(tmp_path, kind, steps):
     target = tiny_target("llama")
     examples = target_generated_examples(target)
@@ -167,7 +167,7 @@ def test_continuing_a_drafter_saved_without_qk_norms_adds_them_and_keeps_every_o
     assert type(widened).from_pretrained(tmp_path / "widened").config.qk_norm
 
 
-@pytest.mark.parametrize("kind", ["markov", "dflash"])
+@pytest.mark.parametrize("kind", ["markov", "dflash", "dflash2"])
 def test_training_blocks_score_what_generation_drafts(kind):
     """Train/inference parity: the logits a packed training block gives slot k equal those the drafting path
     computes for the same anchor from the target features before it (the call `DSparkCandidateGenerator` makes

@@ -36,9 +36,9 @@ def cmd_push(args) -> int:
 
 def cmd_convert(args) -> int:
     """Read a drafter in any layout hf_dspark reads and write it in another (`--to`; default: an hf_dspark drafter
-    goes to DeepSpec's layout, anything else to hf_dspark's). Every failure (an unreadable or missing folder, a refused
-    drafter, a target that does not fit, a write error) is one line on stderr and exit code 2, and leaves no
-    half-written output; neither does Ctrl-C."""
+    goes to DeepSpec's layout, or a DFlash 2 one to speculators', anything else to hf_dspark's). Every failure (an
+    unreadable or missing folder, a refused drafter, a target that does not fit, a write error) is one line on
+    stderr and exit code 2, and leaves no half-written output; neither does Ctrl-C."""
     import shutil
 
     from safetensors import SafetensorError
@@ -82,13 +82,14 @@ def add_parser(sub) -> None:
     push.set_defaults(func=cmd_push)
 
     convert = sub.add_parser("convert", help="write a drafter in another layout: hf_dspark's, DeepSpec's "
-                                             "(Qwen3DSparkModel: vLLM, SGLang, llama.cpp) or vllm-project/speculators' "
-                                             "(vLLM); reads those and z-lab DFlash's")
+                                             "(Qwen3DSparkModel: vLLM, SGLang, llama.cpp), vllm-project/speculators' "
+                                             "(vLLM) or z-lab DFlash's (DFlash / DFlash 2); reads those")
     convert.add_argument("source", help="drafter folder in any layout hf_dspark reads")
     convert.add_argument("output", help="folder to write")
     convert.add_argument("--target", default=None,
                          help="target model folder: checks the drafter against it (architecture, shapes, stored "
                               "embedding/LM head); a DeepSpec export includes them (needed with a draft vocabulary)")
-    convert.add_argument("--to", choices=["deepspec", "speculators", "hf_dspark"], default=None,
-                         help="layout to write (default: deepspec for an hf_dspark drafter, else hf_dspark)")
+    convert.add_argument("--to", choices=["deepspec", "speculators", "zlab", "hf_dspark"], default=None,
+                         help="layout to write (default: deepspec for an hf_dspark drafter, speculators for its "
+                              "DFlash 2; else hf_dspark)")
     convert.set_defaults(func=cmd_convert)

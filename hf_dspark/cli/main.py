@@ -136,8 +136,10 @@ def _train(args, target, tokenizer, train_drafter) -> dict:
         save_steps=args.save_steps, warmup_ratio=args.warmup_ratio, max_seconds=args.max_seconds,
         init_context=args.init_context_from_target, init_markov_bigrams=args.init_markov_from_bigrams, seed=args.seed, resume=not args.no_resume,
         init_from=args.init_from, qk_norm=not args.no_qk_norm, precondition_fusion=not args.no_precondition_fusion,
+        sample_from_anchor=not args.no_sample_from_anchor,
         loss_weights={k: v for k, v in {"ce_weight": args.ce_weight, "tv_weight": args.tv_weight,
-                                        "bce_weight": args.bce_weight, "kl_weight": args.kl_weight}.items()
+                                        "bce_weight": args.bce_weight, "kl_weight": args.kl_weight,
+                                        "selector_weight": args.selector_weight}.items()
                       if v is not None},
     )
 
@@ -199,7 +201,7 @@ def _add_cache_parser(sub) -> None:
 def _add_train_parser(sub) -> None:
     """`hf-dspark train`: distil a drafter against a frozen target."""
     train = sub.add_parser("train", help="distil a drafter against a frozen target (resumes from checkpoints)")
-    train.add_argument("--kind", default="dspark", choices=["dspark", "gated", "rnn", "dflash", "eagle3"])
+    train.add_argument("--kind", default="dspark", choices=["dspark", "gated", "rnn", "dflash", "dflash2", "eagle3"])
     _add_data_arguments(train, "folder for the drafter (and trainer checkpoints)")
     train.add_argument("--cache", nargs="+", default=None,
                        help="train from `hf-dspark cache` folders (several train as one dataset) instead of running "
@@ -219,6 +221,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--no-qk-norm", action="store_true",
                        help="no q/k norms in the drafter's attention (then vLLM/SGLang/llama.cpp cannot serve a "
                             "Llama-family drafter)")
+    train.add_argument("--no-sample-from-anchor", action="store_true",
+                       help="block drafters: slot j predicts anchor + j and slot 0 drafts nothing (z-lab's and "
+                            "speculators' DFlash convention; `convert --to zlab` needs it)")
     train.add_argument("--no-precondition-fusion", action="store_true",
                        help="train the context fusion on the raw target features (by default each fused feature "
                             "trains at one scale; the saved drafter is the same kind either way)")
@@ -235,6 +240,8 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--tv-weight", type=float, default=None, help="default 0.9 (DSpark) / 0 (DFlash)")
     train.add_argument("--bce-weight", type=float, default=None, help="default 1.0 (DSpark) / 0 (DFlash)")
     train.add_argument("--kl-weight", type=float, default=None, help="soft CE to the target distribution (default 0)")
+    train.add_argument("--selector-weight", type=float, default=None,
+                       help="DFlash 2: CE over its candidate selector's scores (default 1)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None)
     train.add_argument("--no-resume", action="store_true")

@@ -47,7 +47,7 @@ def _stats(record: dict) -> SpeculativeStats | None:
     s = record.get("stats")
     if s is None:
         return None
-    # Records written before rounds named their proposer (benchmarks/eval-v*/records.jsonl): a round that drafted
+    # Records written before rounds named their proposer (the eval runs before v4, in git history): a round that drafted
     # was the drafter's.
     sources = s.get("sources") or ["drafter" if d > 0 else "none" for d in s["draft_lengths"]]
     return SpeculativeStats(s["draft_lengths"], s["accepted"], s["confidences"], sources, dict(s["seconds"]))

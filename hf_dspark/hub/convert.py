@@ -52,7 +52,8 @@ from safetensors.torch import save_file
 from transformers.utils import logging
 
 from ..models.errors import DrafterLoadError, DrafterTargetMismatchError, UserInputError
-from ..models.identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, drafter_type
+from ..models.identity import (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, OWN_DRAFTER_TYPES, drafter_kind,
+                               drafter_type)
 from ..models.target_info import EMBEDDING_OUTPUT, target_text_config
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
@@ -133,7 +134,7 @@ def source_layout(folder: str | Path) -> str:
     from ..models.saved_config import read_config
 
     config, _ = read_config(folder, {})
-    if config.get("model_type") in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
+    if config.get("model_type") in OWN_DRAFTER_TYPES:
         return "hf_dspark"
     module = layout_of(config)
     if module is None:
@@ -148,19 +149,25 @@ def source_layout(folder: str | Path) -> str:
 def convert_drafter(source: str | Path, output: str | Path, layout: str | None = None, target=None
                     ) -> tuple[str, str]:
     """Read the drafter at `source` (any layout `AutoDrafter` reads) and write it to `output` in `layout`
-    ("hf_dspark", "deepspec" or "speculators"; None: deepspec for an hf_dspark drafter, else hf_dspark). `target`
-    (a model or its folder) is checked against the drafter (`check_against_target`) and given to the export.
-    Returns (the layout read, the layout written)."""
+    ("hf_dspark", "deepspec", "speculators" or "zlab"; None: for an hf_dspark drafter deepspec, or speculators for
+    a DFlash 2 drafter, which DeepSpec's layout cannot hold; else hf_dspark). `target` (a model or its folder) is
+    checked against the drafter (`check_against_target`) and given to the export. Returns (the layout read, the
+    layout written)."""
     from ..models.loading import load_drafter, load_target_model
     from .export_speculators import export_speculators
+    from .export_zlab import export_zlab
 
     found = source_layout(source)
-    layout = layout or ("deepspec" if found == "hf_dspark" else "hf_dspark")
+    if layout not in (None, "hf_dspark", "deepspec", "speculators", "zlab"):
+        raise ValueError(f"no layout {layout!r}: write hf_dspark, deepspec, speculators or zlab")
     if isinstance(target, (str, Path)):
         target = load_target_model(target)
     drafter = load_drafter(source, None)
+    if layout is None:
+        ours = "speculators" if drafter_kind(drafter.config) == "dflash2" else "deepspec"
+        layout = ours if found == "hf_dspark" else "hf_dspark"
     refused = getattr(drafter, "export_refusal", None)  # e.g. Kimi K3's MLA layers (models/modeling_dspark_mla.py)
-    if refused and layout in ("hf_dspark", "deepspec", "speculators"):
+    if refused:
         raise UserInputError(f"{source} cannot be written in {layout}'s layout: {refused}.")
     if target is not None:
         check_against_target(drafter, target, source, found)
@@ -171,7 +178,7 @@ def convert_drafter(source: str | Path, output: str | Path, layout: str | None =
     elif layout == "speculators":
         export_speculators(drafter, output, target=target)
     else:
-        raise ValueError(f"no layout {layout!r}: write hf_dspark, deepspec or speculators")
+        export_zlab(drafter, output)
     return found, layout
 
 
@@ -202,6 +209,10 @@ def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | 
     kind = drafter_type(drafter)
     if kind not in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
         raise ValueError(f"DeepSpec's layouts hold DSpark/DFlash and Eagle3 drafters, not {type(drafter).__name__}")
+    if drafter_kind(drafter.config) == "dflash2":
+        raise UserInputError("DeepSpec's layouts have no DFlash 2 (its convolutions and candidate selector): write "
+                             "the drafter in z-lab's (hf-dspark convert --to zlab) or speculators' layout "
+                             "(--to speculators), or keep hf_dspark's (save_pretrained).")
     config = drafter.config
     architecture = deepspec_architecture(config)
     if not config.qk_norm:

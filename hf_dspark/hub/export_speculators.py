@@ -13,8 +13,9 @@ from safetensors.torch import save_file
 from ..models.errors import UserInputError
 from ..models.configuration_dspark import DSparkDraftConfig
 from ..models.formats.speculators import (
-    _CLASS_NAMES, _HEAD_TYPES, _OURS_TO_THEIRS, _W1, _W2, WRITTEN_VERSION,
+    _CLASS_NAMES, _DFLASH2_FIELDS, _HEAD_TYPES, _OURS_TO_THEIRS, _W1, _W2, WRITTEN_VERSION,
 )
+from ..models.identity import drafter_kind
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
 
@@ -25,6 +26,8 @@ def export_speculators(drafter, folder: str | Path, target=None) -> Path:
     head rows a draft vocabulary needs and Eagle3's embedding / LM head, and is named as the verifier."""
     if isinstance(drafter, Eagle3DraftModel):
         kind = "eagle3"
+    elif drafter_kind(drafter.config) == "dflash2":
+        kind = "dflash2"
     elif isinstance(drafter, DSparkDraftModel):
         kind = "dflash" if drafter.config.is_dflash else "dspark"
     else:
@@ -34,6 +37,10 @@ def export_speculators(drafter, folder: str | Path, target=None) -> Path:
     _check_layers_exportable(config, kind)
     if kind != "eagle3":
         _check_block_exportable(config)
+    if kind == "dflash2" and config.draft_vocab_size is not None:
+        raise UserInputError(f"this DFlash 2 drafter drafts over a draft vocabulary of {config.draft_vocab_size} "
+                             "tokens, which speculators' DFlash2DraftModel refuses (its selector covers the full "
+                             "vocabulary); keep it in hf_dspark's layout (save_pretrained).")
     ids = list(config.target_layer_ids)
     if len(set(ids)) != len(ids):
         raise UserInputError(f"target_layer_ids {ids} repeat a layer, which speculators refuses.")
@@ -141,13 +148,15 @@ def _export_settings(config, kind: str, ids: list[int]) -> dict:
                 "embed_requires_grad": False}
     settings = {"draft_vocab_size": draft_vocab, "aux_hidden_state_layer_ids": aux, "block_size": config.block_size,
                 "mask_token_id": config.mask_token_id, "sample_from_anchor": config.sample_from_anchor,
-                "target_hidden_size": None, "sliding_window_non_causal": False}
+                "target_hidden_size": None, "sliding_window_non_causal": kind == "dflash2"}  # speculators' defaults
     if kind == "dspark":
         head = config.markov_head
         settings.update({"markov_rank": config.markov_rank if head else 0,
                          "markov_head_type": {v: k for k, v in _HEAD_TYPES.items()}.get(head, "vanilla"),
                          "enable_confidence_head": config.confidence_head,
                          "confidence_head_with_markov": bool(config.confidence_head and head)})
+    if kind == "dflash2":
+        settings.update({name: getattr(config, name) for name in _DFLASH2_FIELDS})
     return settings
 
 

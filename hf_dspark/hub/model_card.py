@@ -10,7 +10,7 @@ from ..models.identity import drafter_kind
 from .convert import served_by_vllm
 
 TEMPLATE = Path(__file__).parent / "templates" / "drafter_card.md"  # package data
-KIND_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
+KIND_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "dflash2": "DFlash 2", "eagle3": "Eagle3"}
 NOT_RECORDED = "Not recorded for this checkpoint."
 
 
@@ -24,6 +24,11 @@ def describe_config(config) -> str:
         parts.append(f"{config.markov_head} sequential head of rank {config.markov_rank}")
     if getattr(config, "confidence_head", False):
         parts.append("confidence head")
+    if getattr(config, "selector_top_k", None):
+        parts.append(f"{config.conv_kernel_size}-tap grouped dynamic causal convolutions (groups of "
+                     f"{config.conv_group_size} channels) around each layer's attention and MLP, and a candidate "
+                     f"selector re-scoring the top {config.selector_top_k} tokens of each slot (rank "
+                     f"{config.selector_rank})")
     if config.draft_vocab_size:
         parts.append(f"draft vocabulary of the {config.draft_vocab_size} most frequent answer tokens (verification "
                      f"stays exact over all {config.vocab_size} target tokens)")
@@ -68,6 +73,12 @@ def describe_serving(config) -> str:
                 "`hf-dspark convert` refuses to export it rather than change its outputs (a drafter built with "
                 "`qk_norm=True` exports). Serve it with transformers (batched: "
                 "`hf_dspark.generation.SpeculativeEngine`).")
+    if getattr(config, "selector_top_k", None):  # DFlash 2: DeepSpec's layout has none
+        return ("Serving at scale: `hf-dspark convert <this folder> <out> --to speculators` writes "
+                "vllm-project/speculators' `dflash2` layout (full vocabulary only), and `--to zlab` z-lab's "
+                "`DFlash2DraftModel` (for a drafter whose slot j predicts anchor + j, `sample_from_anchor: false`); "
+                "DeepSpec's layout has no DFlash 2. With transformers: batched, "
+                "`hf_dspark.generation.SpeculativeEngine`.")
     if served_by_vllm(config) and getattr(config, "layer_style", "llama") == "gemma4":
         return ("Serving at scale: `hf-dspark convert <this folder> <out> --target <target>` writes DeepSpec's Gemma 4 "
                 "layout (`Gemma4DSparkModel`), which vLLM loads with `--speculative-config '{\"method\": \"dspark\", "

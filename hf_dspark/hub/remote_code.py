@@ -101,7 +101,7 @@ def flatten_imports(source: str) -> str:
 def write_custom_generate(folder: str | Path) -> Path:
     """Write `folder/custom_generate/` (generate.py, the copied modules, requirements.txt) and return its path."""
     from .._version import __version__
-    from ..models.identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE
+    from ..models.identity import OWN_DRAFTER_TYPES
 
     modules = module_closure()
     names = [m.name for m in modules]
@@ -111,7 +111,7 @@ def write_custom_generate(folder: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for module in modules:
         (out / module.name).write_text(flatten_imports(module.read_text()))
-    model_types = repr(sorted([BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE]))
+    model_types = repr(sorted(OWN_DRAFTER_TYPES))
     (out / "generate.py").write_text(GENERATE_PY.format(version=__version__, model_types=model_types))
     import transformers
 

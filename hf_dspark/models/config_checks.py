@@ -227,6 +227,11 @@ FIELD_RULES: dict[str, tuple[Rule, str]] = {
     "dtype": (_dtype, 'write the weights\' dtype (e.g. "bfloat16"), or delete the field'),
     "torch_dtype": (_dtype, 'write the weights\' dtype (e.g. "bfloat16"), or delete the field'),
     "deepspec_fields": (_mapping(), "write a JSON object, or null"),
+    # DFlash 2 (z-lab's DFlash2DraftModel and hf_dspark's DFlash2DraftConfig)
+    "conv_kernel_size": (integer(1, MAX_BLOCK_SIZE), "write the convolution's taps the drafter was trained with"),
+    "conv_group_size": (integer(1), FROM_WEIGHTS),
+    "selector_rank": (integer(1), FROM_WEIGHTS),
+    "selector_top_k": (integer(1), "write the candidates per slot the drafter was trained with"),
 }
 """The rule and the fix of every field a drafter config has, by hf_dspark's name for it."""
 
@@ -246,7 +251,7 @@ def check_config_fields(values: Mapping[str, Any], source: str, *, kind: str | N
     (`FIELD_RULES`), then any two that contradict each other (`check_consistency`), naming `source`.
 
     Args:
-        kind: "dspark" or "eagle3" adds that family's own consistency rules (hf_dspark's own configs).
+        kind: "dspark", "dflash2" or "eagle3" adds that family's own consistency rules (hf_dspark's own configs).
         aliases: another layout's name of a field -> hf_dspark's (`{"ttt_length": "block_size"}`); messages use
             the layout's own name.
         skip: fields of `values` this layout reads by its own rules.
@@ -289,8 +294,10 @@ def _contradictions(value: dict, kind: str | None):
     vocab, draft = value.get("vocab_size"), value.get("draft_vocab_size")
     if vocab and draft is not None and draft > vocab:
         yield ("draft_vocab_size", f"is larger than vocab_size={vocab}", FIELD_RULES["draft_vocab_size"][1])
-    if kind == "dspark":
+    if kind in ("dspark", "dflash2"):
         yield from _dspark_contradictions(value)
+    if kind == "dflash2":
+        yield from _dflash2_contradictions(value)
 
 
 def _dspark_contradictions(value: dict):
@@ -317,6 +324,27 @@ def _dspark_contradictions(value: dict):
     heads, hidden = value.get("num_attention_heads"), value.get("hidden_size")
     if heads and hidden and hidden % heads:
         yield ("num_attention_heads", f"does not divide hidden_size={hidden}", FROM_TARGET)
+
+
+def _dflash2_contradictions(value: dict):
+    """DFlash 2: the selector takes the place of DSpark's heads, the layers are Qwen3-style, the convolution's groups
+    tile the hidden state and the selector's candidates fit the vocabulary."""
+    if value.get("markov_head") is not None or value.get("confidence_head"):
+        yield ("markov_head" if value.get("markov_head") is not None else "confidence_head",
+               "is set, but a DFlash 2 drafter's candidate selector is its only step after the backbone (it has no "
+               "DSpark sequential or confidence head)", "write null / false")
+    if value.get("layer_style", "llama") != "llama":
+        yield ("layer_style", "is not \"llama\": DFlash 2's convolutions wrap Qwen3-style pre-norm layers",
+               'write "llama"')
+    hidden, group = value.get("hidden_size"), value.get("conv_group_size")
+    if hidden and group and hidden % group:
+        yield ("conv_group_size", f"does not divide hidden_size={hidden} (the groups tile the hidden state)",
+               FROM_WEIGHTS)
+    vocab = value.get("draft_vocab_size") or value.get("vocab_size")
+    top_k = value.get("selector_top_k")
+    if vocab and top_k and top_k > vocab:
+        yield ("selector_top_k", f"is larger than the vocabulary the drafter drafts over ({vocab})",
+               "write at most the vocabulary size")
 
 
 IDENTITY_RULES: dict[str, tuple[Rule, str]] = {

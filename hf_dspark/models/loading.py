@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserInputError
-from .identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, drafter_type
+from .identity import OWN_DRAFTER_TYPES, drafter_type
 from .saved_config import read_folder_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -171,7 +171,7 @@ def load_target_model(path: str | Path, dtype: torch.dtype | None = None, device
     from transformers import AutoModelForCausalLM
 
     config = read_saved_config(path, "target")
-    if config is not None and config.get("model_type") in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
+    if config is not None and config.get("model_type") in OWN_DRAFTER_TYPES:
         raise UserInputError(f"{path} holds an hf_dspark drafter, not a target model; pass it as --drafter and the "
                              "model it drafts for as --target.")
     options = {} if dtype is None else {"dtype": dtype}
@@ -208,7 +208,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None, device: str | torc
     from .formats import layout_of, unread_layout_refusal
 
     config = read_saved_config(path, "drafter")
-    if config is not None and config.get("model_type") not in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE) \
+    if config is not None and config.get("model_type") not in OWN_DRAFTER_TYPES \
             and layout_of(config) is None and unread_layout_refusal(config, path) is None:  # AutoDrafter names those
         raise UserInputError(
             f"{Path(path) / 'config.json'} has model_type {config.get('model_type')!r} and architectures "

@@ -163,13 +163,15 @@ class DSparkDraftModel(DraftPreTrainedModel):
 
     config: DSparkDraftConfig
     _no_split_modules = ["DSparkDecoderLayer"]
+    decoder_layer_class = DSparkDecoderLayer
+    """The layer the backbone stacks; DFlash 2 (`modeling_dflash2`) wraps it in its convolutions."""
 
     def __init__(self, config: DSparkDraftConfig):
         super().__init__(config)
         num_fused = len(config.target_layer_ids)
         self.fc = nn.Linear(num_fused * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DraftRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DSparkDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = DraftRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = DraftRotaryEmbedding(config)
         self.sequential_head = DSparkSequentialHead(config) if config.markov_head is not None else None

@@ -15,7 +15,7 @@ from transformers import PreTrainedConfig
 from .config_checks import check_config_fields, check_identity_fields
 from .errors import DrafterLoadError, UserInputError
 from .folder_files import checked_file
-from .identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE
+from .identity import OWN_DRAFTER_TYPES
 from .weight_files import HUB_OPTIONS
 
 
@@ -123,7 +123,7 @@ def check_saved_config(cls, path, kwargs: dict) -> tuple[dict, str] | None:
     expected = cls.config_class.model_type
     found = saved.get("model_type")
     if found != expected:
-        if found in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
+        if found in OWN_DRAFTER_TYPES:
             fix = "load it with AutoModel.from_pretrained (after `import hf_dspark`), which picks the class from it"
         else:
             fix = ("it is not a drafter layout hf_dspark reads (its own, DeepSpec's, vllm-project/speculators' or "

@@ -40,14 +40,14 @@ class ChoiceText:
     def completion_tokens(self) -> int:
         return self.stop_tokens if self.stop_tokens is not None else len(self.ids)
 
-    def _decode(self, ids: list[int]) -> str:
+    def _decoded(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _step(self, token_id: int) -> str:
         """The text `token_id` adds (empty while it leaves a character incomplete)."""
         if self._stream is not None:
             return self._stream.step(self._backend, token_id) or ""
-        whole = self._decode(self.ids)
+        whole = self._decoded(self.ids)
         whole = whole.rstrip(REPLACEMENT)
         return whole[len(self.text):] if whole.startswith(self.text) else ""
 
@@ -68,7 +68,7 @@ class ChoiceText:
     def finish(self) -> str:
         """The choice ended (EOS, length, stop): the exact text, and everything of it not yet sent."""
         if not self.stopped:
-            whole = self._decode(self.ids)
+            whole = self._decoded(self.ids)
             if whole.startswith(self.text):  # adds what an incomplete last character decodes to
                 self.text = whole
         return self._release(len(self.text))

@@ -17,6 +17,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from ..transformers_internals.trainer_hooks import TrainerCheckpointHooks
 from .output_folder import OutputWriteError, write_problem
 
 PREFIX = "checkpoint-"
@@ -152,7 +153,7 @@ def failed_save_error(error: BaseException, run_dir: Path, step: int) -> OutputW
                             f"Free space or fix that, then rerun the same command: {resume}.")
 
 
-class AtomicCheckpointSaves:
+class AtomicCheckpointSaves(TrainerCheckpointHooks):
     """`Trainer` mixin: each checkpoint is written under `.saving-checkpoint-N` and renamed to `checkpoint-N` once
     complete, so an interruption (Ctrl-C, a crash, a full disk) never leaves a `checkpoint-N` a resume would pick
     and fail on. A failed save is removed again (it frees the space it took) and, when its folder was at fault, is
@@ -161,17 +162,17 @@ class AtomicCheckpointSaves:
 
     _checkpoint_staging: Path | None = None
 
-    def _get_output_dir(self, trial):
+    def checkpoint_output_dir(self, trial):
         # While a checkpoint is saved, the Trainer writes `<staging>/checkpoint-N` (and rotates there: one folder).
-        return str(self._checkpoint_staging) if self._checkpoint_staging else super()._get_output_dir(trial)
+        return str(self._checkpoint_staging) if self._checkpoint_staging else self.stock_output_dir(trial)
 
-    def _save_checkpoint(self, model, trial) -> None:
-        run_dir = Path(super()._get_output_dir(trial))
+    def write_checkpoint(self, model, trial) -> None:
+        run_dir = Path(self.stock_output_dir(trial))
         name = f"{PREFIX}{self.state.global_step}"
         staging = run_dir / f"{STAGING_PREFIX}{name}"
         self._checkpoint_staging = staging
         try:
-            super()._save_checkpoint(model, trial)
+            self.stock_write_checkpoint(model, trial)
             self.accelerator.wait_for_everyone()  # every process has written its part (RNG states) into staging
         except BaseException as error:
             # Judged before the half save is removed (which frees its space); Ctrl-C is never the folder's fault.

@@ -5,6 +5,9 @@ DSpark: `w_ce * CE + w_tv * TV + w_bce * BCE(confidence)` (+ optional `w_kl * so
 sequential-head-corrected logits; the confidence label is `1 - 0.5 * ||p_draft - p_target||_1` (detached),
 i.e. the probability that rejection sampling accepts the slot.
 DFlash is the same with `w_tv = w_bce = 0`. Eagle3 uses soft cross-entropy per unrolled step, weighted `decay**s`.
+DFlash 2 is DFlash's loss on the backbone's logits plus `w_sel * CE` over its candidate selector's scores of the
+candidates it serves (the backbone's top-k, the label put in place of the weakest when missing), per slot weighted
+alike (`selector_candidates`): the drafted token is drawn among those candidates, so that is the choice to teach.
 
 With a draft vocabulary S the drafter's distribution is zero outside S, so
 `||q - p||_1 = sum_{v in S} |q_v - p_v| + (1 - p(S))` and hard labels outside S give no CE term.
@@ -126,3 +129,22 @@ def soft_cross_entropy(draft_logits: torch.Tensor, target: torch.Tensor | Target
 
 def _soft_cross_entropy(draft_logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     return -(target_probs * draft_logits.float().log_softmax(dim=-1)).sum(dim=-1)
+
+
+def selector_candidates(base_logits: torch.Tensor, labels: torch.Tensor, top_k: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFlash 2's training candidates: the backbone's top-k (N, k) output-vocabulary indices, the weakest replaced
+    by the label (N,) when the label is not among them (-100, a label outside the draft vocabulary, keeps them),
+    and where each row's label sits (N,; -100 for no label)."""
+    candidates = base_logits.detach().topk(top_k, dim=-1).indices
+    has_label = labels >= 0
+    found = candidates == labels[:, None]
+    missing = has_label & ~found.any(dim=-1)
+    candidates[:, -1] = torch.where(missing, labels, candidates[:, -1])
+    position = torch.where(missing, top_k - 1, found.long().argmax(dim=-1))
+    return candidates, torch.where(has_label, position, torch.full_like(position, -100))
+
+
+def selector_cross_entropy(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per row, -log softmax(scores)[position] over the C candidates (0 where the position is -100)."""
+    return F.cross_entropy(scores.float(), positions, ignore_index=-100, reduction="none")

@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import ConcatDataset
 from transformers import AutoConfig, TrainingArguments
 
-from ..models import DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig, Eagle3DraftModel
+from ..models import (DFlash2DraftConfig, DFlash2DraftModel, DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig,
+                      Eagle3DraftModel)
 from ..models.errors import UserInputError
 from ..models.identity import drafter_kind
 from ..models.loading import read_saved_config
@@ -40,11 +41,16 @@ class ExampleList(torch.utils.data.Dataset):
 
 def build_drafter(kind: str, target, *, num_layers: int, block_size: int, markov_rank: int,
                   draft_vocab_size: int | None, target_layer_ids: list[int] | None, qk_norm: bool = True,
-                  suffix_drafting: bool = True):
+                  suffix_drafting: bool = True, sample_from_anchor: bool = True):
     """A fresh drafter for `target`. q/k norms are on by default (what vLLM, SGLang and llama.cpp serve, whatever
-    the target's family), and the saved config turns suffix drafting on for whoever loads it."""
+    the target's family), and the saved config turns suffix drafting on for whoever loads it. A block drafter with
+    `sample_from_anchor` False drafts from slot 1 (slot j predicts anchor + j), as z-lab's layout requires."""
     overrides = {"block_size": block_size, "draft_vocab_size": draft_vocab_size, "qk_norm": qk_norm,
                  "suffix_drafting": suffix_drafting}
+    if not sample_from_anchor:
+        if kind == "eagle3":
+            raise UserInputError("--no-sample-from-anchor is a block drafter's slot convention; Eagle3 drafts a chain")
+        overrides["sample_from_anchor"] = False
     if target_layer_ids:
         overrides["target_layer_ids"] = target_layer_ids
     if kind == "eagle3":
@@ -52,6 +58,9 @@ def build_drafter(kind: str, target, *, num_layers: int, block_size: int, markov
                                                                      **overrides))
     if kind == "dflash":
         config = DSparkDraftConfig.dflash_from_target_config(target.config, num_hidden_layers=num_layers, **overrides)
+    elif kind == "dflash2":
+        return DFlash2DraftModel(DFlash2DraftConfig.from_target_config(target.config, num_hidden_layers=num_layers,
+                                                                       **overrides))
     else:
         config = DSparkDraftConfig.from_target_config(target.config, num_hidden_layers=num_layers,
                                                       markov_head=kind if kind != "dspark" else "markov",
@@ -77,10 +86,10 @@ def continue_drafter(kind: str, path: str, target, qk_norm: bool = False):
     norms a drafter already has are never removed."""
     read_saved_config(path, "drafter")  # a missing or broken folder is named before transformers tries the Hub
     found = drafter_kind(AutoConfig.from_pretrained(path))
-    if found != (kind if kind in ("dflash", "eagle3") else "dspark"):
+    if found != (kind if kind in ("dflash", "dflash2", "eagle3") else "dspark"):
         raise UserInputError(f"--init-from {path} holds a {found or 'non-drafter'} checkpoint, not a {kind} drafter; "
                              f"pass a {kind} drafter or the --kind it is.")
-    model_class = Eagle3DraftModel if kind == "eagle3" else DSparkDraftModel
+    model_class = {"eagle3": Eagle3DraftModel, "dflash2": DFlash2DraftModel}.get(kind, DSparkDraftModel)
     drafter = model_class.from_pretrained(path)
     if qk_norm and not drafter.config.qk_norm:
         drafter = _with_qk_norms(drafter)
@@ -136,7 +145,7 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
                   batch_size: int, num_anchors: int, learning_rate: float, max_steps: int, save_steps: int,
                   warmup_ratio: float, seed: int, resume: bool, loss_weights: dict | None = None,
                   init_context: bool = False, init_markov_bigrams: bool = False, init_from: str | None = None,
-                  qk_norm: bool = True, precondition_fusion: bool = True) -> dict:
+                  qk_norm: bool = True, precondition_fusion: bool = True, sample_from_anchor: bool = True) -> dict:
     torch.manual_seed(seed)
     output = Path(output_dir)
     if init_from:
@@ -146,7 +155,7 @@ def train_drafter(target, tokenizer, *, kind: str, output_dir: str, regenerated:
     else:
         drafter = build_drafter(kind, target, num_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
                                 draft_vocab_size=draft_vocab_size, target_layer_ids=target_layer_ids,
-                                qk_norm=qk_norm)
+                                qk_norm=qk_norm, sample_from_anchor=sample_from_anchor)
     if cache:
         # Several folders train as one dataset: data regenerated later is cached on its own, never recached.
         folders = [cache] if isinstance(cache, (str, Path)) else list(cache)

@@ -1,4 +1,4 @@
-"""`DSparkTrainer`: online distillation of DSpark / DFlash / Eagle3 drafters against a frozen target.
+"""`DSparkTrainer`: online distillation of DSpark / DFlash / DFlash 2 / Eagle3 drafters against a frozen target.
 
 By default every step runs the frozen target once over the batch (online distillation: no cache needed); with a
 `TargetCacheDataset` the target's outputs come from disk instead and the target never runs. It samples anchors
@@ -18,11 +18,14 @@ from transformers import Trainer
 
 from ..models.drafter_base import DraftPreTrainedModel
 from ..models.errors import UserInputError
+from ..models.identity import drafter_kind
 from ..models.layers import DraftContextCache
 from ..models.modeling_eagle3 import Eagle3DraftModel
+from ..transformers_internals.trainer_hooks import prepare_inputs
 from .blocks import build_blocks, sample_anchors
 from .checkpoints import AtomicCheckpointSaves
-from .losses import TargetDistribution, dspark_loss, l1_distance, position_weights, soft_cross_entropy
+from .losses import (TargetDistribution, draft_labels, dspark_loss, l1_distance, position_weights,
+                     selector_candidates, selector_cross_entropy, soft_cross_entropy)
 from .regenerate import iter_regenerated
 
 
@@ -103,11 +106,13 @@ class DSparkTrainer(AtomicCheckpointSaves, Trainer):
     """`Trainer` for hf_dspark drafters. Checkpoints are saved atomically (`AtomicCheckpointSaves`).
 
     Args:
-        model: a `DSparkDraftModel` (DSpark or DFlash) or `Eagle3DraftModel`.
+        model: a `DSparkDraftModel` (DSpark or DFlash), `DFlash2DraftModel` or `Eagle3DraftModel`.
         target: the frozen target causal LM whose embedding/LM head the drafter shares. May be None when the
             training data is a `TargetCacheDataset` and the drafter already has the target attached.
         num_anchors: blocks per sequence (DSpark/DFlash) or supervised rows per step and sequence (Eagle3).
-        ce_weight, tv_weight, bce_weight: loss weights; default 0.1/0.9/1.0 for DSpark, 1/0/0 for DFlash.
+        ce_weight, tv_weight, bce_weight: loss weights; default 0.1/0.9/1.0 for DSpark, 1/0/0 for DFlash and for
+            DFlash 2's backbone logits.
+        selector_weight: DFlash 2: weight of the cross-entropy over its candidate selector's scores (default 1).
         kl_weight: weight of a soft cross-entropy to the target distribution (default 0: DeepSpec's recipe).
         loss_decay: slot weight `exp(-k / loss_decay)` (k from 0).
         ttt_decay: Eagle3 step weight `ttt_decay ** s`.
@@ -116,7 +121,7 @@ class DSparkTrainer(AtomicCheckpointSaves, Trainer):
     def __init__(self, model: DraftPreTrainedModel, target, args=None, train_dataset=None, eval_dataset=None, *,
                  num_anchors: int = 32, ce_weight: float | None = None, tv_weight: float | None = None,
                  bce_weight: float | None = None, kl_weight: float = 0.0, loss_decay: float = 4.0,
-                 ttt_decay: float = 0.8,
+                 ttt_decay: float = 0.8, selector_weight: float = 1.0,
                  data_collator=None, **kwargs):
         if args is not None:
             args.remove_unused_columns = False  # our batch keys are not forward() parameters
@@ -138,11 +143,13 @@ class DSparkTrainer(AtomicCheckpointSaves, Trainer):
         self.target_layers = drafter.target_hidden_state_indices
         # index of the post-norm final state in `hidden_states` (online mode only)
         self.final_layer = target.config.get_text_config().num_hidden_layers if target is not None else None
-        is_dflash = getattr(drafter.config, "is_dflash", False)
+        # DFlash 2's backbone trains as DFlash's does; its selector has its own term (`selector_weight`).
+        self.dflash2 = drafter_kind(drafter.config) == "dflash2"
+        is_dflash = getattr(drafter.config, "is_dflash", False) or self.dflash2
         self.ce_weight = ce_weight if ce_weight is not None else (1.0 if is_dflash else 0.1)
         self.tv_weight = tv_weight if tv_weight is not None else (0.0 if is_dflash else 0.9)
         self.bce_weight = bce_weight if bce_weight is not None else (0.0 if is_dflash else 1.0)
-        self.kl_weight = kl_weight
+        self.kl_weight, self.selector_weight = kl_weight, selector_weight
         self.num_anchors, self.loss_decay, self.ttt_decay = num_anchors, loss_decay, ttt_decay
         self._sums = {"train": defaultdict(float), "eval": defaultdict(float)}
         self._blocks_seen, self._clock = 0, time.perf_counter()
@@ -193,20 +200,31 @@ class DSparkTrainer(AtomicCheckpointSaves, Trainer):
         blocks = build_blocks(inputs["input_ids"], inputs["loss_mask"], anchors, valid, config.block_size,
                               config.mask_token_id, config.first_draft_slot)
         selected = blocks.slot_valid
+        # DFlash 2's selector scores only its candidates (below), never the whole vocabulary: no teacher forcing
+        # in the forward, whose logits are then the backbone's.
         out = model(input_ids=blocks.input_ids, target_hidden_states=features, position_ids=blocks.position_ids,
-                    attention_mask=blocks.attention_mask, previous_token_ids=blocks.previous_token_ids,
-                    logits_mask=selected)
+                    attention_mask=blocks.attention_mask, logits_mask=selected,
+                    previous_token_ids=None if self.dflash2 else blocks.previous_token_ids)
         rows = torch.arange(selected.shape[0], device=selected.device)[:, None].expand_as(selected)[selected]
         target = self.target_distribution(drafter, inputs, final, rows, blocks.target_rows[selected])
         confidence = out.confidence_logits[selected] if out.confidence_logits is not None else None
         slots = blocks.slot_index[selected]
+        weights = position_weights(slots, self.loss_decay)
+        total = self._global_normaliser(weights.sum())
         loss, details = dspark_loss(
             out.logits, target, blocks.labels[selected], slots, confidence,
             ce_weight=self.ce_weight, tv_weight=self.tv_weight, bce_weight=self.bce_weight,
             kl_weight=self.kl_weight, decay=self.loss_decay,
-            draft_to_target=drafter.draft_to_target,
-            total_weight=self._global_normaliser(position_weights(slots, self.loss_decay).sum()),
+            draft_to_target=drafter.draft_to_target, total_weight=total,
         )
+        if self.dflash2 and self.selector_weight:
+            # The label is the target's own next token (what greedy verification accepts), as speculators trains.
+            labels = draft_labels(target.argmax, drafter.draft_to_target)
+            candidates, positions = selector_candidates(out.base_logits, labels, drafter.config.selector_top_k)
+            scores = drafter.candidate_scores(out.last_hidden_state[selected], out.base_logits,
+                                              blocks.previous_token_ids[selected], candidates)
+            selector = selector_cross_entropy(scores, positions)
+            loss = loss + self.selector_weight * (weights * selector).sum() / total.clamp_min(1e-8)
         self._blocks_seen += int(valid.sum())
         return loss, details, blocks.slot_index[selected]
 
@@ -311,7 +329,7 @@ class DSparkTrainer(AtomicCheckpointSaves, Trainer):
         super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
+        inputs = prepare_inputs(self, inputs)
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None

@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from ...models.drafter_base import DraftPreTrainedModel
+from ...transformers_internals.accessors import pad_token_tensor
 from ..engine.speculative_engine import SpeculativeEngine, check_left_padded
 from ..engine.requests import BatchedOutput, eos_ids
 from .outputs import SpeculativeDecoderOnlyOutput
@@ -131,7 +132,7 @@ def batched_speculative_decoding(target, input_ids: torch.LongTensor, logits_pro
     merged = functools.reduce(SpeculativeStats.merge, stats, SpeculativeStats())
     drafter.last_generation_stats = merged
 
-    pad = getattr(generation_config, "_pad_token_tensor", None)
+    pad = pad_token_tensor(generation_config)
     pad = int(pad.flatten()[0]) if pad is not None else (eos[0] if eos else 0)  # without EOS no row ends early
     result = _as_generate_batch(input_ids, mask, sequences, pad)
     if generation_config.return_dict_in_generate:

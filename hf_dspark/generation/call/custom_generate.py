@@ -8,6 +8,7 @@ from typing import Callable
 
 from ...models.drafter_base import DraftPreTrainedModel
 from ...models.errors import UserInputError
+from ...transformers_internals.accessors import is_stateful
 from .dispatch import speculative_decoding
 from .route_checks import (
     as_drafter,
@@ -28,7 +29,7 @@ def _check_custom_generate_request(model, drafter: DraftPreTrainedModel, generat
             f"{generation_config.num_return_sequences}. Drop it and call generate() again for more samples (or "
             "repeat the prompt in a batch)."
         )
-    if getattr(model, "_is_stateful", False):
+    if is_stateful(model):
         raise UserInputError(
             f"{type(model).__name__} is a stateful model: its state cannot be rolled back past rejected drafts, so "
             "speculative decoding cannot serve it. Call generate() without custom_generate."

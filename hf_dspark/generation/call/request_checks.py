@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import GenerationConfig
 
 from ...models.errors import UserInputError
+from ...transformers_internals.accessors import pad_token_tensor
 
 _PASSED_BY_GENERATE = {"cache", "attention_mask", "position_ids", "logits_to_keep", "use_cache"}
 BATCH_FIX = "or call generate() one prompt at a time (batch size 1 supports it)."
@@ -58,7 +59,7 @@ def _masked_prompt_message(input_ids, mask, generation_config: GenerationConfig)
     masked = (mask[0] == 0).nonzero().flatten().tolist()
     shown = ", ".join(map(str, masked[:8])) + (", ..." if len(masked) > 8 else "")
     where = f"position{'s' if len(masked) > 1 else ''} {shown}"
-    pad = getattr(generation_config, "_pad_token_tensor", None)
+    pad = pad_token_tensor(generation_config)
     pad = int(pad.flatten()[0]) if pad is not None else generation_config.pad_token_id
     if pad is not None and bool((input_ids[0, masked] == pad).all()):
         return (

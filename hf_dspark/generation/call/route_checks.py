@@ -1,12 +1,12 @@
 """What hf_dspark's two `generate()` routes need from the installed transformers and from a call, checked before
-any token: the private methods' parameters (`signature_drift`), the name the KV cache travels under
-(`loop_support_problems`), and the options a speculative loop cannot follow (`refuse_other_decoding_methods`).
+any token: the name the KV cache travels under (`loop_support_problems`; the private methods' parameters are checked
+by `transformers_internals.generate_hooks.signature_drift`), and the options a speculative loop cannot follow
+(`refuse_other_decoding_methods`).
 A release that changes what the routes rely on fails loudly here, naming the version, what changed and the fix."""
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable
 
 import transformers
 
@@ -15,6 +15,7 @@ from ...models.drafter_base import DraftPreTrainedModel
 from ...models.errors import UserInputError
 from ...models.formats import layout_name
 from ...models.identity import drafter_type
+from ...transformers_internals.accessors import config_name_or_path
 
 # The transformers releases the tests have passed on: the oldest and the newest are the ends of the range below,
 # which pyproject.toml declares (tests/test_dependency_range.py keeps the three in step). A newer release joins only
@@ -41,49 +42,8 @@ def as_drafter(assistant) -> DraftPreTrainedModel | None:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Checks: what the wrappers and the loop rely on, read from the installed transformers
+# Checks: what the loop relies on, read from the installed transformers
 # ------------------------------------------------------------------------------------------------------------------
-
-
-def _parameter_layout(function: Callable) -> list[tuple[str, inspect._ParameterKind]]:
-    return [(p.name, p.kind) for p in inspect.signature(function, follow_wrapped=False).parameters.values()]
-
-
-def _parameter_list(function: Callable) -> str:
-    """`(self, input_ids, *, x, **model_kwargs)`: names and kinds, without annotations or defaults (short messages)."""
-    names, keyword_only_marked = [], False
-    for name, kind in _parameter_layout(function):
-        if kind is inspect.Parameter.KEYWORD_ONLY and not keyword_only_marked:
-            names.append("*")
-        keyword_only_marked |= kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_POSITIONAL)
-        prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(kind, "")
-        names.append(prefix + name)
-    return f"({', '.join(names)})"
-
-
-def signature_drift(owner: str, method: str, original: Callable, wrapper: Callable) -> str | None:
-    """None when `wrapper` takes exactly the parameters of `original` (names and kinds, in order), else what changed.
-
-    Exact equality, not just "the names we read are there": `generate` passes `inputs_tensor` only to a decoding
-    method that lists it, and a parameter transformers adds would land in `**model_kwargs`, which the loop refuses.
-    """
-    found, expected = _parameter_layout(original), _parameter_layout(wrapper)
-    if found == expected:
-        return None
-    found_names, expected_names = [n for n, _ in found], [n for n, _ in expected]
-    changes = []
-    missing = [n for n in expected_names if n not in found_names]
-    added = [n for n in found_names if n not in expected_names]
-    if missing:
-        changes.append("lost " + ", ".join(f"`{n}`" for n in missing))
-    if added:
-        changes.append("gained " + ", ".join(f"`{n}`" for n in added))
-    if not changes:
-        changes.append("reordered its parameters or changed their kinds")
-    return (
-        f"{owner}.{method} {' and '.join(changes)}: it takes {_parameter_list(original)}, hf_dspark's wrapper "
-        f"takes {_parameter_list(wrapper)}."
-    )
 
 
 def loop_support_problems(model_class: type) -> list[str]:
@@ -162,7 +122,7 @@ def refuse_a_drafter_loaded_without_its_heads(assistant) -> None:
     layout = layout_name(config) if config is not None else None
     if layout is None:
         return
-    path = getattr(assistant, "name_or_path", None) or getattr(config, "_name_or_path", None) or "path"
+    path = getattr(assistant, "name_or_path", None) or config_name_or_path(config) or "path"
     raise UserInputError(
         f"assistant_model is a {type(assistant).__name__}, but its config describes a {layout} drafter: a stock "
         "class loaded the folder and dropped the drafter's own weights (fusion, heads), so it cannot draft. Load it "

@@ -8,14 +8,15 @@ import numbers
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper
 
+from ...models.errors import UserInputError
 from ...models.identity import drafter_type
+from ...transformers_internals.cache_layers import attention_layer_types, growing_cache
+from ...transformers_internals.recurrent_states import unkept_states_message
 from .requests import ParkedCache
 from .masks import STATE_KINDS, mask_kinds
 from ..call.plan import DraftingPlan
 from ..call.settings import checked_draft_length
-from ..recurrent_states import check_states_kept
 from ..round.sampling import SamplingParams, check_top_p
-from ..transformers_internals import attention_layer_types, growing_cache
 
 def check_target(target) -> None:
     """Refuse a target the engine cannot run, before any work. Any attention implementation runs: one that cannot
@@ -37,7 +38,9 @@ def new_target_cache(target):
             "holding both kinds at once (or a cache layer of another kind), which the engine's holes cannot keep. Decode it "
             "per prompt."
         )
-    check_states_kept(cache, target)
+    refusal = unkept_states_message(cache, target)
+    if refusal is not None:
+        raise UserInputError(refusal)
     return cache
 
 

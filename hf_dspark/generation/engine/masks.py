@@ -4,8 +4,8 @@ The engine's target cache keeps holes (rejected drafts, padding) and a row's rea
 cache *slot* is not a position. For full attention that does not matter: transformers' causal mask by slot, with the
 (R, W) validity as padding mask, sees exactly a row's earlier real tokens. A sliding window, though, counts slots, holes
 included: it would see fewer real tokens than the target's own decoding. So for a target with sliding-window layers
-every layer keeps every entry (`transformers_internals.growing_cache`) and the engine builds the masks itself, by
-position, and passes them ready-made (transformers then builds none):
+every layer keeps every entry (`transformers_internals.cache_layers.growing_cache`) and the engine builds the masks
+itself, by position, and passes them ready-made (transformers then builds none):
 
     key j is visible to query i of a row  iff  j is a real entry of the row and pos[j] <= pos[i]
                                                (and pos[i] - pos[j] < window on a sliding layer)
@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..transformers_internals import attention_layer_types, takes_mask_mapping
+from ...transformers_internals.accessors import attention_implementation
+from ...transformers_internals.cache_layers import attention_layer_types, takes_mask_mapping
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 # Layers without attention entries of their own: a hybrid target's recurrent / convolution layers keep one state per
@@ -109,7 +110,7 @@ def target_attention_mask(target, cached_valid: torch.BoolTensor, new_valid: tor
     position (module docstring)."""
     valid = torch.cat([cached_valid, new_valid], dim=1)
     kinds = mask_kinds(target)
-    eager = target.config._attn_implementation == "eager"
+    eager = attention_implementation(target.config) == "eager"
     if kinds.kinds <= frozenset({FULL}):
         if kinds.recurrent or positions.shape[1] > 1:
             return valid.long()  # transformers' causal mask by slot is right for full attention

@@ -15,6 +15,9 @@ from ...models.identity import EAGLE3_DRAFTER_TYPE, drafter_type
 from ...models.layers import DraftContextCache
 from ...models.modeling_dspark import DSparkDraftModel
 from ...models.modeling_eagle3 import Eagle3DraftModel
+from ...transformers_internals.accessors import supports_logits_to_keep
+from ...transformers_internals.cache_layers import cache_layers, crop_entries, mask_taking_attention, stack_layer_rows
+from ...transformers_internals.recurrent_states import has_recurrent_layers, keep_recurrent_states, keep_states_after
 from .rows import BatchRows, pad_to, to_device
 from ..round.drafting import Drafts, one_hot_probs, round_tokens
 from ..round.verification import verify_drafts
@@ -23,15 +26,13 @@ from .requests import ParkedCache
 from ..round.sampling import RowSampling
 from .checks import new_target_cache
 from .masks import target_attention_mask
-from ..recurrent_states import has_recurrent_layers, keep_recurrent_states, keep_states_after
-from ..transformers_internals import crop_entries, mask_taking_attention, stack_layer_rows
 
 def target_forward(target, rows: BatchRows, tokens, new_valid, positions, layer_indices, keep: int,
                    feature_device=None):
     """Append `tokens` (R, N) to the shared cache; returns (float logits of the last `keep` entries, the features of
     `layer_indices` concatenated, None without layers: plain decoding)."""
     mask = target_attention_mask(target, rows.target_valid, new_valid, positions)
-    kwargs = {"logits_to_keep": keep} if target._supports_logits_to_keep() else {}
+    kwargs = {"logits_to_keep": keep} if supports_logits_to_keep(target) else {}
     with mask_taking_attention(target):  # flash attention cannot take the holes: the same attention as sdpa
         out = target(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=rows.target_cache,
                      use_cache=True, output_hidden_states=layer_indices or False, **kwargs)
@@ -135,7 +136,7 @@ def prefill_resumed(target, parked: list[ParkedCache], new_tokens: list[list[int
     shorter ones), then only its new tokens, left-padded, in one forward (plain decoding only)."""
     num_rows = len(parked)
     cache = new_target_cache(target)
-    for index, layer in enumerate(cache.layers):
+    for index, layer in enumerate(cache_layers(cache)):
         stack_layer_rows(layer, [entries.layers[index] for entries in parked])
     lengths = [len(entries.tokens) for entries in parked]
     rows = _empty_rows(request_ids, cache, num_rows, device)

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...transformers_internals.cache_layers import restore_layers, snapshot_layers
 from .rows import BatchRows
 from ..round.sampling import SamplingParams
 from ..round.stats import SpeculativeStats
 from ..round.stopping import HostStoppingRule
-from ..transformers_internals import restore_layers, snapshot_layers
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from ...models.layers import DraftContextCache
-from ..transformers_internals import merge_layer_rows, row_entries, select_layer_entries
+from ...transformers_internals.cache_layers import cache_layers, merge_layer_rows, row_entries, select_layer_entries
 
 
 def to_device(values: list[int], device, dtype=torch.long) -> torch.Tensor:
@@ -101,7 +101,7 @@ class BatchRows:
         cache.keys = [None if k is None else k.index_select(0, index) for k in cache.keys]
         cache.values = [None if v is None else v.index_select(0, index) for v in cache.values]
         target_columns = self._drop_unused_columns()
-        for layer in self.target_cache.layers:
+        for layer in cache_layers(self.target_cache):
             select_layer_entries(layer, index, target_columns)
 
     def drop_unused_columns(self) -> None:
@@ -109,7 +109,7 @@ class BatchRows:
         prompt), so a continuously fed batch does not keep the widths of requests long gone."""
         columns = self._drop_unused_columns()
         if columns is not None:
-            for layer in self.target_cache.layers:
+            for layer in cache_layers(self.target_cache):
                 select_layer_entries(layer, None, columns)
 
     def _drop_unused_columns(self) -> list[int] | None:
@@ -150,8 +150,8 @@ class BatchRows:
         for name in ("target_valid", "draft_valid", "pending_valid", "pending_positions", "pending_tokens",
                      "pending"):
             setattr(self, name, _cat_rows([getattr(block, name) for block in blocks], dim=1))
-        for index, mine in enumerate(self.target_cache.layers):
-            merge_layer_rows(mine, [other.target_cache.layers[index] for other in others])
+        for index, mine in enumerate(cache_layers(self.target_cache)):
+            merge_layer_rows(mine, [cache_layers(other.target_cache)[index] for other in others])
         caches = [block.draft_cache for block in blocks]
         layers = max(len(cache.keys) for cache in caches)
         self.draft_cache.keys = [_merge_draft_layer([_layer(c.keys, i) for c in caches], counts) for i in range(layers)]

@@ -11,7 +11,7 @@ A target with recurrent or convolution layers (Qwen3.5 / Qwen3-Next gated DeltaN
 Nemotron-H Mamba-2) gets `RecurrentStateRunner`: such a layer holds one state that every verified token went into,
 so dropping the rejected drafts needs the state after exactly the accepted ones. It uses transformers' own past
 recording: each verification forward keeps the state after each of its tokens, and `crop` takes the accepted one
-(`benchmarks/results-hybrid-state-restore.md` measures it against restoring a snapshot and replaying).
+(`benchmarks/hybrid-state-restore/results.md` measures it against restoring a snapshot and replaying).
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ import contextlib
 
 import torch
 from transformers import StaticCache
-from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-from ..recurrent_states import check_states_kept, has_recurrent_layers, keep_recurrent_states, stop_keeping_states
-from ..transformers_internals import use_static_layers
+from ...models.errors import UserInputError
+from ...transformers_internals.accessors import decoding_step_context, generate_would_compile, supports_logits_to_keep
+from ...transformers_internals.cache_layers import attention_layer_types, cache_layers, use_static_layers
+from ...transformers_internals.recurrent_states import (has_recurrent_layers, keep_recurrent_states,
+                                                        stop_keeping_states, unkept_states_message)
 
 
 class DynamicTargetRunner:
@@ -33,7 +36,7 @@ class DynamicTargetRunner:
 
     def __init__(self, target, cache, layer_indices: list[int]):
         self.target, self.cache, self.layer_indices = target, cache, layer_indices
-        self._kwargs = {"logits_to_keep": None} if target._supports_logits_to_keep() else {}
+        self._kwargs = {"logits_to_keep": None} if supports_logits_to_keep(target) else {}
         if hasattr(cache, "activate_past_recording"):
             cache.activate_past_recording()  # sliding-window layers keep what a crop may need
 
@@ -73,7 +76,7 @@ class RecurrentStateRunner(DynamicTargetRunner):
 
     def __init__(self, target, cache, layer_indices: list[int], longest: int):
         self.target, self.cache, self.layer_indices = target, cache, layer_indices
-        self._kwargs = {"logits_to_keep": None} if target._supports_logits_to_keep() else {}
+        self._kwargs = {"logits_to_keep": None} if supports_logits_to_keep(target) else {}
         self.longest, self.kept = longest, 0  # states kept per forward: 0 until the prefill has run
         self.length = 0  # cached positions, kept here (a recurrent layer's count is a device tensor)
 
@@ -144,8 +147,8 @@ class StaticTargetRunner:
         self.capacity = _make_full_length(target, cache, capacity)
         self.length = 0  # cached positions, kept here so reading it never waits for the device
         self.compiled_lengths: set[int] = set()  # padded lengths run through `compiled_forward`
-        self._supports_logits_to_keep = target._supports_logits_to_keep()
-        decode = getattr(target, "_optimize_model_for_decode", None)  # stock generate's decoding-step context
+        self._keeps_logits = supports_logits_to_keep(target)
+        decode = decoding_step_context(target)  # stock generate's decoding-step context
         self._decode_context = decode if decode is not None else contextlib.nullcontext
 
     def forward(self, tokens: torch.LongTensor, keep: int):
@@ -165,7 +168,7 @@ class StaticTargetRunner:
             with self._decode_context():
                 out = self.compiled_forward(input_ids=inputs, cache=self.cache,
                                             use_cache=True, output_hidden_states=self.layer_indices,
-                                            **({"logits_to_keep": 0} if self._supports_logits_to_keep else {}))
+                                            **({"logits_to_keep": 0} if self._keeps_logits else {}))
             self.compiled_lengths.add(padded)
             if padded > num_tokens:
                 self.cache.crop(num_tokens - padded)
@@ -188,7 +191,7 @@ class StaticTargetRunner:
         """The loop is done with the cache (it may be returned to the caller)."""
 
     def _eager(self, tokens, keep: int):
-        kwargs = {"logits_to_keep": keep} if self._supports_logits_to_keep else {}
+        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
         return self.target(input_ids=tokens, cache=self.cache, use_cache=True,
                            output_hidden_states=self.layer_indices, **kwargs)
 
@@ -210,10 +213,9 @@ class StaticTargetRunner:
 def _make_full_length(target, cache, capacity: int) -> int:
     """Give `cache` full-attention static layers of at least `capacity` entries (kept when it has them already);
     returns the capacity it ends with. Targets with other layer kinds are refused before any forward."""
-    config = target.config.get_text_config(decoder=True)
-    layer_types = set(get_layer_types_and_kwargs(config)[0])
+    layer_types = set(attention_layer_types(target.config))
     unsupported = sorted(layer_types - {"full_attention", "sliding_attention"})
-    kinds = {type(layer) for layer in cache.layers}
+    kinds = {type(layer) for layer in cache_layers(cache)}
     if unsupported or not kinds <= {StaticLayer, StaticSlidingWindowLayer}:
         found = unsupported or sorted(kind.__name__ for kind in kinds)
         raise ValueError(
@@ -226,8 +228,8 @@ def _make_full_length(target, cache, capacity: int) -> int:
             "an offloaded static cache (cache_implementation='offloaded_static') is not supported by hf_dspark's "
             "static-cache verification; use cache_implementation='static', or the default dynamic cache."
         )
-    if kinds == {StaticLayer} and min(layer.max_cache_len for layer in cache.layers) >= capacity:
-        return min(layer.max_cache_len for layer in cache.layers)
+    if kinds == {StaticLayer} and min(layer.max_cache_len for layer in cache_layers(cache)) >= capacity:
+        return min(layer.max_cache_len for layer in cache_layers(cache))
     use_static_layers(target, cache, capacity)  # and tells generate, as its own static caches do
     return capacity
 
@@ -258,12 +260,14 @@ def target_runner_for(target, cache, generation_config, layer_indices: list[int]
     if not isinstance(cache, StaticCache):
         if not has_recurrent_layers(cache):
             return DynamicTargetRunner(target, cache, layer_indices)
-        check_states_kept(cache, target)
+        refusal = unkept_states_message(cache, target)
+        if refusal is not None:
+            raise UserInputError(refusal)
         longest = max(verification_buckets(num_draft_slots, cost_table)) if num_draft_slots is not None else 1
         return RecurrentStateRunner(target, cache, layer_indices, longest)
     buckets = verification_buckets(num_draft_slots, cost_table) if num_draft_slots is not None else None
     capacity = _make_full_length(target, cache, _static_capacity(cache, generation_config, buckets))
     # Asked after the layers are in place: generate's criteria read the cache (is it compilable?).
     compiled = (target.get_compiled_call(generation_config.compile_config)
-                if target._valid_auto_compile_criteria({"cache": cache}, generation_config) else None)
+                if generate_would_compile(target, cache, generation_config) else None)
     return StaticTargetRunner(target, cache, layer_indices, capacity, buckets, compiled)

@@ -1,7 +1,7 @@
 """Drafter checkpoints in other projects' layouts, read into hf_dspark drafters in memory: DeepSpec's
 (`Qwen3DSparkModel`, `Qwen3Eagle3Model`, and for Gemma 4 `Gemma4DSparkModel`, `Gemma4Eagle3Model`: `deepspec_gemma4`),
-`vllm-project/speculators`' (`speculator_model`) and z-lab DFlash's (`DFlashDraftModel`). One module per layout,
-each with `FORMAT`, `matches(config)` and `load(folder, config)`.
+`vllm-project/speculators`' (`speculator_model`) and z-lab DFlash's (`DFlashDraftModel`, `DFlash2DraftModel`). One
+module per layout, each with `FORMAT`, `matches(config)` and `load(folder, config)`.
 
 `load_layout` is what `DSparkDraftModel.from_pretrained`, `Eagle3DraftModel.from_pretrained` and
 `hf_dspark.AutoDrafter.from_pretrained` call when a folder's config.json is not hf_dspark's own, so every published
@@ -17,7 +17,7 @@ import torch
 from transformers.utils import logging
 
 from ..errors import DrafterLoadError, UserInputError
-from ..identity import BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE
+from ..identity import OWN_DRAFTER_TYPES
 from ..saved_config import install_layout_converters
 
 logger = logging.get_logger(__name__)
@@ -65,7 +65,7 @@ def unread_layout_refusal(config: dict, path) -> str | None:
 
 def layout_of(config: dict):
     """The format module whose layout `config` (a config.json dict) is in, or None (hf_dspark's own, or none)."""
-    if config.get("model_type") in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
+    if config.get("model_type") in OWN_DRAFTER_TYPES:
         return None
     return next((module for module in _layouts() if module.matches(config)), None)
 

@@ -26,6 +26,7 @@ the stored copy is attached scaled so (`attach_stored_heads(embed_scale=...)`), 
 
 from __future__ import annotations
 
+from ...transformers_internals.accessors import global_config_value
 from ..errors import DrafterLoadError
 
 GEMMA4_TEXT_FIELDS = ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "final_logit_softcapping",
@@ -99,7 +100,8 @@ def export_fields(config, target_text=None) -> dict:
     fields = {"model_type": "gemma4_text", "target_model_type": "gemma4", "target_text_model_type": "gemma4_text"}
     if target_text is not None:
         for name in (*GEMMA4_TEXT_FIELDS, "head_dim", "num_key_value_heads", "sliding_window"):
-            value = _per_layer_free(target_text, name)
+            # Global values (Gemma 4 keeps head_dim / num_key_value_heads per layer), as DeepSpec's config holds them.
+            value = global_config_value(target_text, name)
             if value is not None:
                 fields[name] = value
         fields["target_text_model_type"] = target_text.model_type
@@ -118,13 +120,6 @@ def export_fields(config, target_text=None) -> dict:
         fields["rope_parameters"] = {**fields["rope_parameters"], **{
             key: dict(value) for key, value in target_text.rope_parameters.items() if isinstance(value, dict)}}
     return fields
-
-
-def _per_layer_free(text, name: str):
-    """`text.<name>`, the global value even where transformers keeps the attribute per layer (Gemma 4's head_dim
-    and num_key_value_heads: the sliding layers' values, which DeepSpec's config.json holds as the globals)."""
-    getter = getattr(text, "_getattr_without_heterogeneous_validation", None)
-    return getter(name, None) if getter is not None else getattr(text, name, None)
 
 
 __all__ = ["GEMMA4_TEXT_FIELDS", "INFORMATIONAL_FIELDS", "check", "export_fields", "normalized", "target_fields"]

@@ -122,10 +122,11 @@ def heads_settings(rank, head_type, confidence, with_markov, source: str) -> tup
     return (MARKOV_TYPES[head_type] if rank else None), rank, confidence
 
 
-def dspark_config(qwen3, source: str, **fields) -> DSparkDraftConfig:
-    """Our config: the Qwen3 shell's sizes with the layout's draft settings (`fields`)."""
+def dspark_config(qwen3, source: str, config_class=DSparkDraftConfig, **fields) -> DSparkDraftConfig:
+    """Our config (`config_class`: DSpark's, or a subclass such as DFlash 2's): the Qwen3 shell's sizes with the
+    layout's draft settings (`fields`)."""
     try:
-        return DSparkDraftConfig(
+        return config_class(
             vocab_size=qwen3.vocab_size, hidden_size=qwen3.hidden_size, intermediate_size=qwen3.intermediate_size,
             num_hidden_layers=qwen3.num_hidden_layers, num_attention_heads=qwen3.num_attention_heads,
             num_key_value_heads=qwen3.num_key_value_heads, head_dim=qwen3.head_dim, hidden_act=qwen3.hidden_act,

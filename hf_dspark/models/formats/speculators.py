@@ -1,15 +1,17 @@
 """`vllm-project/speculators` drafters (PyPI `speculators`, 0.9.0; the layout vLLM serves natively) read into
 hf_dspark drafters in memory (`hf_dspark.hub.export_speculators` writes ours out in that layout).
 
-speculators saves a `SpeculatorModelConfig` (`speculators_model_type` `dspark`, `dflash` or `eagle3`, no usable
-`model_type`) whose nested `transformer_layer_config` is a copy of the verifier's config with the draft depth, and
-weights under these names (ours on the right; every other name is the same on both sides):
+speculators saves a `SpeculatorModelConfig` (`speculators_model_type` `dspark`, `dflash`, `dflash2` or `eagle3`, no
+usable `model_type`) whose nested `transformer_layer_config` is a copy of the verifier's config with the draft depth,
+and weights under these names (ours on the right; every other name is the same on both sides):
 
     markov_head.markov_w1.weight      sequential_head.token_embedding.weight  (theirs: a row per target token)
     markov_head.markov_w2.weight      sequential_head.output.weight
     markov_head.gate_proj.*           sequential_head.gate.*                  (markov_head_type "gated")
     markov_head.joint_proj.*          sequential_head.cell.*                  (markov_head_type "rnn")
     confidence_head.proj.*            confidence_proj.*
+    candidate_selector.predecessor_codebook / .successor_codebook   the same names + `.weight` (DFlash 2; theirs are
+                                      bare parameters, ours embeddings)
     d2t (offsets), t2d (bool mask)    draft_to_target = arange(draft_vocab_size) + d2t
     embed_tokens / lm_head            the target's, shared: attach_stored_heads when both are stored (Eagle3)
 
@@ -17,10 +19,11 @@ Config: `aux_hidden_state_layer_ids` / `eagle_aux_hidden_state_layer_ids` index 
 embedding output), ours index decoder layers: ours = theirs - 1. `sample_from_anchor` is the same field on both
 sides (speculators' default: False for dflash, True for dspark). `markov_head_type` vanilla/gated/rnn is our
 `markov_head` markov/gated/rnn with the same formulas, and the confidence head reads [h_k ; W1[x_{k-1}]] on both
-sides; with a draft vocabulary our W1 keeps one row for all the tokens outside it. speculators' block layers are
-always Qwen3-style (per-head q/k norms); its Eagle3 layers are Llama (no q/k norms) or Qwen3 ones, picked by
-`transformer_layer_config.model_type`. Its Eagle3 rows sit at position t + 1 where ours default to t: the same
-attention (rotary angles only enter as differences).
+sides; with a draft vocabulary our W1 keeps one row for all the tokens outside it. `dflash2` is hf_dspark's
+`DFlash2DraftModel` (z-lab's DFlash 2, which speculators adapted: the same convolutions and selector, over the full
+vocabulary only, as speculators requires). speculators' block layers are always Qwen3-style (per-head q/k norms);
+its Eagle3 layers are Llama (no q/k norms) or Qwen3 ones, picked by `transformer_layer_config.model_type`. Its Eagle3
+rows sit at position t + 1 where ours default to t: the same attention (rotary angles only enter as differences).
 
 What hf_dspark's drafters do not compute is refused with one error naming the field and what supporting it would
 take, never loaded approximately. Weights load as float32.
@@ -36,17 +39,20 @@ from transformers import AutoConfig, PreTrainedConfig
 
 from ..config_checks import BLOCK, BOOLEAN, FROM_WEIGHTS, MAX_BLOCK_SIZE, check_config_fields, flag, integer, refusal
 from ..errors import DrafterLoadError
+from ..configuration_dflash2 import DFlash2DraftConfig
 from ..configuration_dspark import DSparkDraftConfig
 from ..configuration_eagle3 import Eagle3DraftConfig
+from ..modeling_dflash2 import DFlash2DraftModel
 from ..modeling_dspark import DSparkDraftModel
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..weight_files import check_fits_before_building, read_checkpoint_tensors
 
 FORMAT = "speculators"
 WRITTEN_VERSION = "0.9.0"
-_KINDS = ("dspark", "dflash", "eagle3")
+_KINDS = ("dspark", "dflash", "dflash2", "eagle3")
 _HEAD_TYPES = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}
-_CLASS_NAMES = {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel", "eagle3": "Eagle3DraftModel"}
+_CLASS_NAMES = {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel",
+                "eagle3": "Eagle3DraftModel"}
 
 # speculators 0.9.0's pydantic defaults, applied as its own from_pretrained applies them to a field left out.
 _DEFAULTS = {"dflash": {"draft_vocab_size": 32000, "block_size": 8, "target_hidden_size": None, "mask_token_id": None,
@@ -55,6 +61,8 @@ _DEFAULTS = {"dflash": {"draft_vocab_size": 32000, "block_size": 8, "target_hidd
              "eagle3": {"draft_vocab_size": 32000, "norm_before_residual": False, "target_hidden_size": None,
                         "eagle_aux_hidden_state_layer_ids": None, "norm_before_fc": False, "fc_norm": False,
                         "norm_output": False, "embed_requires_grad": False}}
+_DEFAULTS["dflash2"] = {**_DEFAULTS["dflash"], "sliding_window_non_causal": True, "conv_kernel_size": 2,
+                        "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 _DEFAULTS["dspark"] = {**_DEFAULTS["dflash"], "sample_from_anchor": True, "markov_rank": 256,
                        "markov_head_type": "vanilla", "enable_confidence_head": True,
                        "confidence_head_with_markov": True}
@@ -73,6 +81,8 @@ _RENAMED = {f"{theirs}.{param}": f"{ours}.{param}" for theirs, ours, params in (
     ("markov_head.markov_w2", "sequential_head.output", ["weight"]), ("markov_head.gate_proj", "sequential_head.gate",
     ["weight", "bias"]), ("markov_head.joint_proj", "sequential_head.cell", ["weight", "bias"]),
     ("confidence_head.proj", "confidence_proj", ["weight", "bias"])) for param in params}
+_RENAMED.update({f"candidate_selector.{name}": f"candidate_selector.{name}.weight"
+                 for name in ("predecessor_codebook", "successor_codebook")})
 _OURS_TO_THEIRS = {ours: theirs for theirs, ours in _RENAMED.items()}
 _W1 = "sequential_head.token_embedding.weight"
 _W2 = "sequential_head.output.weight"
@@ -85,14 +95,6 @@ _RULES = {  # speculators' own top-level fields (the shared ones, block_size, dt
 }
 _LAYER_FIX = ("Re-save it with speculators' save_pretrained, or fix config.json (transformer_layer_config, "
               "draft_vocab_size, aux layer ids) to match the weights.")
-DFLASH2_REFUSAL = (
-    "speculators_model_type 'dflash2' (DFlash2) adds to the DFlash backbone a token-conditioned grouped causal "
-    "convolution inside each draft block in every layer (conv_kernel_size, conv_group_size) and a low-rank candidate "
-    "selector that reranks each slot's top selector_top_k tokens (selector_rank); hf_dspark's DSparkDraftModel has "
-    "neither. Supporting it would take that convolution in DSparkDecoderLayer and a reranking step in the drafting "
-    "core (hf_dspark.generation.round.drafting.draft_block). Use the checkpoint with vLLM or speculators.")
-
-
 def matches(config: dict) -> bool:
     """A speculators config.json: it names a `speculators_model_type` (and no model_type of its own)."""
     return (isinstance(config, dict) and isinstance(config.get("speculators_model_type"), str)
@@ -108,8 +110,6 @@ def load(folder: str | Path, config: dict) -> DSparkDraftModel | Eagle3DraftMode
     folder = Path(folder)
     source = folder / "config.json"
     kind = config.get("speculators_model_type")
-    if kind == "dflash2":
-        raise DrafterLoadError(f"{source}: {DFLASH2_REFUSAL}")
     if kind not in _KINDS:
         raise _refuse(source, "speculators_model_type", f"is {kind!r}; hf_dspark reads speculators' "
                       f"{', '.join(_KINDS)} drafters. Serve this one with vLLM, which reads every speculators type.")
@@ -217,8 +217,10 @@ def _our_config(config_class, fields: dict, source):
 
 
 def _block_drafter(settings: dict, shapes: dict, weights: dict, source):
-    """A speculators dspark / dflash checkpoint as a DSparkDraftModel, its weights under our names."""
-    is_dspark = settings["speculators_model_type"] == "dspark"
+    """A speculators dspark / dflash checkpoint as a DSparkDraftModel (dflash2: a DFlash2DraftModel), its weights
+    under our names."""
+    kind = settings["speculators_model_type"]
+    is_dspark = kind == "dspark"
     rank = int(settings["markov_rank"]) if is_dspark else 0
     head_type = settings["markov_head_type"] if is_dspark else None
     confidence = bool(settings["enable_confidence_head"]) if is_dspark else False
@@ -232,10 +234,18 @@ def _block_drafter(settings: dict, shapes: dict, weights: dict, source):
                       "slot 1. Supporting it would take a DSpark option that starts the state at slot 0.")
     if settings["mask_token_id"] is None:
         raise _refuse(source, "mask_token_id", "is missing; write the id the drafter was trained with.")
-    config = _our_config(DSparkDraftConfig, {
-        **shapes, "block_size": settings["block_size"], "sample_from_anchor": bool(settings["sample_from_anchor"]),
-        "mask_token_id": settings["mask_token_id"], "markov_head": _HEAD_TYPES[head_type] if rank else None,
-        "markov_rank": rank, "confidence_head": confidence}, source)
+    fields = {**shapes, "block_size": settings["block_size"], "mask_token_id": settings["mask_token_id"],
+              "sample_from_anchor": bool(settings["sample_from_anchor"]), "confidence_head": confidence,
+              "markov_head": _HEAD_TYPES[head_type] if rank else None, "markov_rank": rank}
+    if kind == "dflash2":
+        if shapes["draft_vocab_size"] is not None:
+            raise _refuse(source, "draft_vocab_size", f"({shapes['draft_vocab_size']}) is below the verifier's "
+                          f"vocabulary ({shapes['vocab_size']}), which speculators' DFlash2DraftModel refuses (its "
+                          "selector's codebooks cover the full vocabulary); restore it as speculators saved it.")
+        config = _our_config(DFlash2DraftConfig, {**fields, **{name: settings[name] for name in _DFLASH2_FIELDS}},
+                             source)
+        return DFlash2DraftModel, config, *_renamed(weights, config, source)
+    config = _our_config(DSparkDraftConfig, fields, source)
     state, heads = _renamed(weights, config, source)
     if _W1 in state and config.draft_vocab_size:
         compressed = _shared_outside_rows(state[_W1], state["draft_to_target"])
@@ -249,6 +259,9 @@ def _block_drafter(settings: dict, shapes: dict, weights: dict, source):
         # as the stored W1 has: a wrong markov_rank is refused by the shape check, never allocated).
         state["confidence_proj.weight"] = torch.cat([proj, proj.new_zeros(proj.shape[0], w1.shape[-1])], dim=1)
     return DSparkDraftModel, config, state, heads
+
+
+_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def _eagle3_drafter(settings: dict, shapes: dict, weights: dict, source):

@@ -1,4 +1,5 @@
-"""z-lab DFlash drafters (`dflash` on PyPI, `DFlashDraftModel`), read into a `DSparkDraftModel` in memory.
+"""z-lab DFlash drafters (`dflash` on PyPI: `DFlashDraftModel`, and `DFlash2DraftModel`, DFlash 2), read into a
+`DSparkDraftModel` (a `DFlash2DraftModel`) in memory.
 
 z-lab saves a Qwen3Config (model_type "qwen3") with a nested `dflash_config` (`mask_token_id`, `target_layer_ids`,
 `block_size`, ...) and the weights of `fc`, `hidden_norm`, `layers.*` and `norm` under exactly our names: the same
@@ -13,9 +14,14 @@ Like z-lab's own code, a dflash_config value falls back to the top-level field o
 default. z-lab's optional settings map to DSparkDraftConfig fields of the same meaning: `final_logit_softcapping`
 (when positive), `input_embedding_scale` (when not 1: the target's raw embedding rows times it), `is_causal` and
 `layer_types` / `sliding_window` (per layer `block_causal` and sliding windows, by z-lab's rule: a sliding layer is
-block-causal unless `is_causal` says otherwise). What hf_dspark's drafter does not build (DFlash2's convolutions and
-candidate selector, a learned mask embedding, attention kinds other than full and sliding) is refused with one error
-naming each field, never loaded approximately.
+block-causal unless `is_causal` says otherwise). What hf_dspark's drafter does not build (a learned mask embedding,
+attention kinds other than full and sliding) is refused with one error naming each field, never loaded approximately.
+
+DFlash 2 (`architectures: ["DFlash2DraftModel"]`, or no z-lab class named and `conv_kernel_size`, `conv_group_size`,
+`selector_rank`, `selector_top_k` set) loads as hf_dspark's `DFlash2DraftModel`, whose tensors have z-lab's names
+(`layers.<i>.attention_conv.{base_kernel, kernel_projection.weight}`, `layers.<i>.mlp_conv.*`,
+`candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection}.weight`); the codebooks may also
+be stored without `.weight`, which z-lab's `DFlash2DraftModel.from_pretrained` maps the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from huggingface_hub.errors import StrictDataclassError
 from ..config_checks import check_config_fields, is_finite_number
 from ..errors import DrafterLoadError
 from ..target_info import EMBEDDING_OUTPUT
+from ..configuration_dflash2 import DFlash2DraftConfig
 from ..configuration_dspark import DSparkDraftConfig
+from ..modeling_dflash2 import DFlash2DraftModel
 from ..modeling_dspark import DSparkDraftModel
 from ..weight_files import check_fits_before_building, read_checkpoint_tensors
 from .qwen3_shell import dspark_config
@@ -60,6 +68,9 @@ _DRAFT_SETTINGS = {  # read from dflash_config, else the top-level field (z-lab'
     "input_embedding_scale", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
 }
 _DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_BARE_CODEBOOKS = {f"candidate_selector.{name}": f"candidate_selector.{name}.weight"
+                   for name in ("predecessor_codebook", "successor_codebook")}
+"""Codebook names z-lab's `DFlash2DraftModel.from_pretrained` maps to the modules' `.weight` (its `key_mapping`)."""
 
 
 def matches(config: dict) -> bool:
@@ -71,9 +82,9 @@ def matches(config: dict) -> bool:
 
 
 def load(folder: Path, config: dict) -> DSparkDraftModel:
-    """The z-lab DFlash drafter in `folder` (its config.json read as `config`) as a float32 `DSparkDraftModel` in
-    eval mode on the CPU, every stored tensor used. It shares its target's embedding and LM head, as z-lab's does
-    (attached by generate())."""
+    """The z-lab DFlash drafter in `folder` (its config.json read as `config`) as a float32 `DSparkDraftModel` (a
+    `DFlash2DraftModel` for DFlash 2) in eval mode on the CPU, every stored tensor used. It shares its target's
+    embedding and LM head, as z-lab's does (attached by generate())."""
     folder = Path(folder)
     source = f"{folder / 'config.json'}"
     _refuse_trainer_pickles(folder)
@@ -84,15 +95,21 @@ def load(folder: Path, config: dict) -> DSparkDraftModel:
                         skip=("dflash_config", "final_logit_softcapping"))
     qwen3 = _qwen3_config(config, source)
     _refuse_unsupported(config, settings, qwen3, source)
-    ours = _our_config(config, settings, qwen3, source)
+    dflash2 = is_dflash2(config, settings)
+    ours = _our_config(config, settings, qwen3, source, dflash2)
+    model_class = DFlash2DraftModel if dflash2 else DSparkDraftModel
     state = read_checkpoint_tensors(folder, "z-lab DFlash drafter", "save the drafter with z-lab's save_pretrained")
-    check_fits_before_building(DSparkDraftModel, ours, state, folder, "z-lab DFlash drafter",
+    state = {_BARE_CODEBOOKS.get(name, name): tensor for name, tensor in state.items()}
+    check_fits_before_building(model_class, ours, state, folder, "z-lab DFlash drafter",
                                "Restore the folder (config.json and weights) as z-lab's save_pretrained wrote it.")
-    drafter = DSparkDraftModel(ours)
+    drafter = model_class(ours)
     multiplier = settings.get("output_multiplier", 1.0)
     if multiplier != 1.0:
         # z-lab scales the logits W (g * x_hat); logits are linear in the final norm's weight g: fold it in.
         state["norm.weight"] = state["norm.weight"].float() * multiplier
+        if dflash2:  # its selector reads the unscaled final state: W (g * x_hat) = (W / m)(m g * x_hat)
+            name = "candidate_selector.hidden_projection.weight"
+            state[name] = state[name].float() / multiplier
     drafter.load_state_dict(state, strict=True)
     return drafter.float().eval()
 
@@ -152,20 +169,30 @@ def _refuse_unsupported(config: dict, settings: dict, qwen3, source: str) -> Non
         raise DrafterLoadError(f"{source} has architectures={architectures!r}, which is not a list; restore the "
                                "config.json saved with the drafter.")
     dflash2 = [name for name in _DFLASH2_SETTINGS if name in settings]
-    if DFLASH2_CLASS in architectures or dflash2:
-        problems.append(
-            f"architectures={architectures} / {dflash2 or 'DFlash2 settings'}: DFlash2's grouped dynamic causal "
-            "convolutions around each layer's attention and MLP and its candidate selector (top-k candidates "
-            "re-scored from the previous token) are not built; supporting them takes a per-layer convolution module "
-            "in DSparkDecoderLayer and the selector as a sequential head in the drafting core")
-    elif [name for name in architectures if name != DFLASH_CLASS]:
-        problems.append(f"architectures={architectures}: hf_dspark reads z-lab's {DFLASH_CLASS} only")
+    if DFLASH_CLASS in architectures and dflash2:
+        problems.append(f"architectures={architectures} with DFlash 2's {dflash2}: z-lab's {DFLASH_CLASS} ignores "
+                        f"them, its {DFLASH2_CLASS} needs them; name the class the drafter was trained as")
+    elif is_dflash2(config, settings) and len(dflash2) < len(_DFLASH2_SETTINGS):
+        missing = [name for name in _DFLASH2_SETTINGS if name not in settings]
+        problems.append(f"{missing} missing: z-lab's {DFLASH2_CLASS} needs every one of {list(_DFLASH2_SETTINGS)}")
+    if [name for name in architectures if name not in (DFLASH_CLASS, DFLASH2_CLASS)] or len(architectures) > 1:
+        problems.append(f"architectures={architectures}: hf_dspark reads z-lab's {DFLASH_CLASS} and "
+                        f"{DFLASH2_CLASS}, one of them")
+    if is_dflash2(config, settings) and settings.get("output_multiplier", 1.0) == 0:
+        problems.append("output_multiplier=0: every draft logit is 0, so the selector's candidates are arbitrary")
     layer_types = list(qwen3.layer_types or ["full_attention"] * qwen3.num_hidden_layers)
     if [kind for kind in layer_types if kind not in ("full_attention", "sliding_attention")]:
         problems.append(f"layer_types={layer_types}: z-lab's drafter knows full_attention and sliding_attention")
     if problems:
         raise DrafterLoadError(f"{source} uses what hf_dspark's DSparkDraftModel does not build, so it cannot be "
                                f"loaded exactly and is refused: {'; '.join(problems)}.")
+
+
+def is_dflash2(config: dict, settings: dict) -> bool:
+    """Whether the checkpoint is z-lab's DFlash 2: its class named, or no class named and its settings present."""
+    architectures = config.get("architectures") or []
+    return DFLASH2_CLASS in architectures or (
+        DFLASH_CLASS not in architectures and any(name in settings for name in _DFLASH2_SETTINGS))
 
 
 def _optional_settings(config: dict, settings: dict, qwen3, source: str) -> dict:
@@ -191,7 +218,7 @@ def _optional_settings(config: dict, settings: dict, qwen3, source: str) -> dict
     }
 
 
-def _our_config(config: dict, settings: dict, qwen3, source: str) -> DSparkDraftConfig:
+def _our_config(config: dict, settings: dict, qwen3, source: str, dflash2: bool) -> DSparkDraftConfig:
     mask_token_id = settings.get("mask_token_id")
     if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int):
         raise DrafterLoadError(f"{source} has mask_token_id={mask_token_id!r} (dflash_config): z-lab's drafter "
@@ -218,7 +245,10 @@ def _our_config(config: dict, settings: dict, qwen3, source: str) -> DSparkDraft
         raise DrafterLoadError(f"{source} has target_layer_ids={layer_ids!r}: expected a list of decoder layer "
                                "indices (0, 1, ...; -1 for the embedding output).")
     optional = _optional_settings(config, settings, qwen3, source)
-    return dspark_config(qwen3, source, block_size=block_size, sample_from_anchor=False,
+    if dflash2:
+        optional.update({name: settings[name] for name in _DFLASH2_SETTINGS})
+    return dspark_config(qwen3, source, DFlash2DraftConfig if dflash2 else DSparkDraftConfig,
+                         block_size=block_size, sample_from_anchor=False,
                          target_layer_ids=list(layer_ids),
                          target_num_hidden_layers=depth if isinstance(depth, int) else None,
                          mask_token_id=mask_token_id, markov_head=None, markov_rank=0, confidence_head=False,
