@@ -21,7 +21,8 @@ from ..models.cost_table import VerificationCostTable
 SMOOTHING = 0.3
 # A price not measured again ages, per forward measured since, back towards the least its shape can cost, as the
 # acceptance counts age (`acceptance.SlotAcceptance.decay`): a shape priced out by a burst of other work (whose
-# timings only ever run long) is not priced out for good, and is tried again within about fifty rounds.
+# timings only ever run long) is tried again within about fifty rounds. A shape nothing bounds (the plain step) keeps
+# its price: aged towards nothing, it looked 18 % cheaper ten rounds after it last ran and was retried too often.
 AGING = 0.98
 _UNBOUNDED = 1e-9  # the price of a shape nothing bounds from below: tried next
 
@@ -49,7 +50,7 @@ class CostModel:
 
     def _aged(self, key, measured: float, least: float) -> float:
         """A measured price, aged towards `least` by the forwards measured since."""
-        if measured <= least:
+        if measured <= least or least <= _UNBOUNDED:  # nothing to age towards: the smallest shape, a first pass
             return measured
         return least + (measured - least) * self.aging ** (self.measured - self.measured_at.get(key, self.measured))
 
