@@ -56,7 +56,7 @@ class Text:
 
 
 def test_measured_shapes_are_priced_as_measured_and_others_at_the_least_they_can_cost():
-    costs = CostModel(aging=1.0)  # prices as measured, however long ago (aging: the test below)
+    costs = CostModel()
     assert costs.forward_seconds(3, 4) == 1.0  # nothing measured: every forward alike
     costs.record_forward(1, 1, 1.0)
     costs.record_forward(1, 5, 1.8)
@@ -70,28 +70,12 @@ def test_measured_shapes_are_priced_as_measured_and_others_at_the_least_they_can
     assert costs.forward_seconds(1, 1) == pytest.approx(1.3)
 
 
-def test_a_price_not_measured_again_ages_back_towards_the_least_its_shape_can_cost():
-    """A burst of other work made width 8 look dear once; while the loop runs other shapes, that price ages back
-    towards the least width 8 can cost (the dearest shape measured over fewer tokens), so it is tried again; the
-    shapes the loop keeps running stay priced as measured."""
-    costs = CostModel()
-    costs.record_forward(1, 2, 1.0)
-    costs.record_forward(1, 8, 3.0)  # measured during a burst
-    assert costs.forward_seconds(1, 8) == 3.0
-    for _ in range(50):
-        costs.record_forward(1, 2, 1.0)
-    assert costs.forward_seconds(1, 2) == 1.0
-    assert costs.forward_seconds(1, 8) == pytest.approx(1.0 + 2.0 * 0.98 ** 50) and costs.forward_seconds(1, 8) < 1.8
-    costs.record_forward(1, 8, 1.2)  # tried again: priced as now measured (the moving average from where it was)
-    assert costs.forward_seconds(1, 8) == pytest.approx(3.0 + 0.3 * (1.2 - 3.0))
-
-
 def test_a_shape_nothing_bounds_is_tried_next_and_a_table_prices_what_was_not_measured():
     costs = CostModel()
     costs.record_forward(4, 8, 2.0)
     assert costs.forward_seconds(4, 1) < 1e-6  # no shape over as few tokens measured: the next one tried
     table = VerificationCostTable([1.0 + 0.25 * n for n in range(32)])
-    costs = CostModel(table, aging=1.0)
+    costs = CostModel(table)
     assert costs.forward_seconds(2, 2) == pytest.approx(1.75)  # the table's own price before any run
     costs.record_forward(2, 1, 2.0)  # slower than the table says (load): a bound the table cannot go under
     assert costs.forward_seconds(2, 2) == 2.0 and costs.forward_seconds(4, 4) == pytest.approx(4.75)
@@ -102,7 +86,7 @@ def test_before_drafting_the_plan_takes_the_best_width_past_a_jump_and_the_rule_
     verifies six drafts (the jump repaid), at 0.3 two; after drafting, confidences at the estimates admit the
     plan's width, and without the estimates the next slot alone never crosses the jump."""
     from hf_dspark.policy.admission import admitted_width, best_width
-    costs = CostModel(aging=1.0)
+    costs = CostModel()
     for width, seconds in enumerate([35.7, 38.4, 40.2, 54.3, 55.8, 59.4, 63.6, 72.2], start=1):
         costs.record_forward(1, width, seconds)
     prices = costs.forward_prices(1, 8)

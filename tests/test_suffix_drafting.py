@@ -142,7 +142,7 @@ def test_a_drafter_slower_than_its_table_says_is_skipped_and_output_stays_exact(
             sources[learn] += drafter.last_generation_stats.sources
         if learn:  # measured on the loop's clock: a plain step takes 1 ms, the drafter's pass 40
             (measured,) = state.round_costs.values()
-            assert measured.forwards[1, 1] == pytest.approx(1e-3)  # as measured (the prices then age: costs.AGING)
+            assert measured.forwards[1, 1] == pytest.approx(1e-3)
             assert measured.drafts[1] == pytest.approx(0.04)
     # Priced by the table, the drafter runs whenever its drafts are expected to pay at all (most rounds: its pass is
     # free there); priced by its measured pass, a fifth as often at most (the rounds its posterior draws try it).

@@ -19,62 +19,48 @@ from ..models.cost_table import VerificationCostTable
 # The weight of a new timing in a shape's moving average: about the last three runs count (a change of load, which
 # scales every forward alike, is followed within a few rounds), and one burst of other work moves it a third.
 SMOOTHING = 0.3
-# A price not measured again ages, per forward measured since, back towards the least its shape can cost, as the
-# acceptance counts age (`acceptance.SlotAcceptance.decay`): a shape priced out by a burst of other work (whose
-# timings only ever run long) is tried again within about fifty rounds. A shape nothing bounds (the plain step) keeps
-# its price: aged towards nothing, it looked 18 % cheaper ten rounds after it last ran and was retried too often.
-AGING = 0.98
 _UNBOUNDED = 1e-9  # the price of a shape nothing bounds from below: tried next
 
 
 class CostModel:
     """F(R, W) and D(R) (see the module); `record_forward` / `record_draft` feed it what the loop timed."""
 
-    def __init__(self, table: VerificationCostTable | None = None, learn: bool = True, aging: float = AGING):
-        self.table, self.learn, self.aging = table, learn, aging
+    def __init__(self, table: VerificationCostTable | None = None, learn: bool = True):
+        self.table, self.learn = table, learn
         self.forwards: dict[tuple[int, int], float] = {}  # (rows, width) -> seconds, as measured
         self.drafts: dict[int, float] = {}  # rows -> seconds, as measured
-        self.measured_at: dict = {}  # (rows, width) or rows -> the count of forwards measured when it last was
-        self.measured = 0  # forwards measured
 
     def record_forward(self, rows: int, width: int, seconds: float) -> None:
         if self.learn and seconds > 0.0:
-            self.measured += 1
             _smooth(self.forwards, (rows, width), seconds)
-            self.measured_at[rows, width] = self.measured
 
     def record_draft(self, rows: int, seconds: float) -> None:
         if self.learn and seconds > 0.0:
             _smooth(self.drafts, rows, seconds)
-            self.measured_at[rows] = self.measured
-
-    def _aged(self, key, measured: float, least: float) -> float:
-        """A measured price, aged towards `least` by the forwards measured since."""
-        if measured <= least or least <= _UNBOUNDED:  # nothing to age towards: the smallest shape, a first pass
-            return measured
-        return least + (measured - least) * self.aging ** (self.measured - self.measured_at.get(key, self.measured))
 
     def forward_seconds(self, rows: int, width: int) -> float:
+        measured = self.forwards.get((rows, width))
+        if measured is not None:
+            return measured
         tabled = self._tabled(rows, width)
         if not self.forwards:
             return tabled if tabled is not None else 1.0  # nothing known: every forward alike, until one ran
         tokens = rows * width
         # Nothing measured over as few tokens: no bound but zero, so this shape is the next one tried.
-        least = max([seconds for shape, seconds in self.forwards.items()
-                     if shape[0] * shape[1] <= tokens and shape != (rows, width)], default=_UNBOUNDED)
-        least = least if tabled is None else max(least, tabled)
-        measured = self.forwards.get((rows, width))
-        return least if measured is None else self._aged((rows, width), measured, least)
+        least = max([seconds for (r, w), seconds in self.forwards.items() if r * w <= tokens], default=_UNBOUNDED)
+        return least if tabled is None else max(least, tabled)
 
     def forward_prices(self, rows: int, widths: int) -> list[float]:
         """F(rows, W) for W = 1..widths."""
         return [self.forward_seconds(rows, width) for width in range(1, widths + 1)]
 
     def draft_seconds(self, rows: int) -> float:
-        tabled = self.table.draft_seconds if self.table is not None else 0.0
-        least = max([seconds for r, seconds in self.drafts.items() if r < rows] + [tabled])
         measured = self.drafts.get(rows)
-        return least if measured is None else self._aged(rows, measured, least)
+        if measured is not None:
+            return measured
+        tabled = self.table.draft_seconds if self.table is not None else 0.0
+        below = [seconds for r, seconds in self.drafts.items() if r <= rows]
+        return max(below + [tabled])
 
     def _tabled(self, rows: int, width: int) -> float | None:
         if self.table is None:
