@@ -144,18 +144,23 @@ def run_cells(results: dict) -> None:
         times = {m: [] for m in METHODS}
         tokens = {m: [] for m in METHODS}
         sources = {}
-        first = not state.statistics.drafter.reached  # the workload's first call: a fresh state
-        for call in range(args.warmup_calls):
-            with AcceptanceOracle(target, acceptance, seed=1000 + call,
-                                  confidence_map=confidence_map(form, acceptance, mean_logit)) as oracle:
+        mapping = confidence_map(form, acceptance, mean_logit)
+
+        def timed(seed: int, call: dict) -> tuple[int, float]:
+            """(tokens emitted, seconds) of one oracle-forced generate() call."""
+            with AcceptanceOracle(target, acceptance, seed=seed, confidence_map=mapping) as oracle:
                 oracle_ref[0] = oracle
                 started = time.perf_counter()
-                out = target.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                      assistant_model=drafter, dspark_state=state)
+                out = target.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False, **call)
                 seconds = time.perf_counter() - started
                 oracle_ref[0] = None
+            return int((out[:, enc["input_ids"].shape[1]:] != tokenizer.pad_token_id).sum()), seconds
+
+        first = not state.statistics.drafter.reached  # the workload's first call: a fresh state
+        for call in range(args.warmup_calls):
+            emitted, seconds = timed(1000 + call, {"assistant_model": drafter, "dspark_state": state})
             if first and call == 0:
-                first_rate = int((out[:, enc["input_ids"].shape[1]:] != tokenizer.pad_token_id).sum()) / seconds
+                first_rate = emitted / seconds
         for repeat in range(args.repeats + 1):  # the first pass is a warm-up, untimed
             order = METHODS[repeat % len(METHODS):] + METHODS[: repeat % len(METHODS)]
             for method in order:
@@ -163,15 +168,7 @@ def run_cells(results: dict) -> None:
                 call = {} if settings is None else {"assistant_model": drafter, **settings}
                 if method == "defaults":
                     call["dspark_state"] = state
-                with AcceptanceOracle(target, acceptance, seed=repeat,
-                                      confidence_map=confidence_map(form, acceptance, mean_logit)) as oracle:
-                    oracle_ref[0] = oracle
-                    started = time.perf_counter()
-                    out = target.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False, **call)
-                    seconds = time.perf_counter() - started
-                    oracle_ref[0] = None
-                new = out[:, enc["input_ids"].shape[1]:]
-                emitted = int((new != tokenizer.pad_token_id).sum())
+                emitted, seconds = timed(repeat, call)
                 if repeat:
                     times[method].append(seconds)
                     tokens[method].append(emitted)

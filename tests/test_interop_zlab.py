@@ -203,6 +203,13 @@ def _agreeing_pair(target_seed: int = 0, top_level: dict | None = None, **dflash
     layers' small outputs stay, so every draft logit still depends on the context and the positions."""
     target = tiny_target("qwen3", vocab_size=VOCAB, seed=target_seed)
     drafter = _zlab_drafter(top_level=top_level, **dflash_config)
+    make_agree(target, drafter)
+    return target, drafter
+
+
+def make_agree(target, drafter) -> None:
+    """Scales both models' layer outputs down, sets the drafter's norms to 1 and points the target's LM-head row
+    STICKY at MASK's and a few other embeddings (`_agreeing_pair`; the DFlash 2 tests rig their pair the same way)."""
     with torch.no_grad():
         for model, factor in ((target, 0.02), (drafter, 0.002)):
             for name, param in model.named_parameters():
@@ -214,7 +221,6 @@ def _agreeing_pair(target_seed: int = 0, top_level: dict | None = None, **dflash
         embeddings = target.get_input_embeddings().weight
         normed = embeddings * embeddings.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
         target.lm_head.weight[STICKY] = 0.3 * normed[[MASK, *range(20, 25)]].sum(0)
-    return target, drafter
 
 
 def _latest_new_token(sequence: torch.LongTensor, prompt_length: int) -> tuple[int, int]:
