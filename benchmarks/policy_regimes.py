@@ -96,7 +96,7 @@ def confidence_map(form: str, acceptance: float, mean_logit: float):
 def wire_stash(oracle_ref: list) -> None:
     """Hand each drafting pass's confidences to the current oracle (both loops' drafting passes)."""
     from hf_dspark.generation.engine import speculative_engine
-    from hf_dspark.generation.one_prompt import proposers
+    from hf_dspark.generation.one_prompt.prompt_rows import OnePromptRows
 
     def stashing(draft):
         def stashed(*args, **kwargs):
@@ -107,7 +107,7 @@ def wire_stash(oracle_ref: list) -> None:
         return stashed
 
     speculative_engine._draft = stashing(speculative_engine._draft)  # the engine's pass over all rows
-    proposers.DSparkCandidateGenerator._draft = stashing(proposers.DSparkCandidateGenerator._draft)  # batch 1
+    OnePromptRows.draft = stashing(OnePromptRows.draft)  # batch 1
 
 
 def mean_confidence_logit(target, drafter, encodings) -> float:

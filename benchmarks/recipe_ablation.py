@@ -65,6 +65,12 @@ VARIANTS = {
                                           "precondition_fusion": True},
     "continue-shipped-preconditioned": {"init_from": SHIPPED_DSPARK, "init_from_target": None,
                                         "precondition_fusion": True},
+    # The drafter kinds beside DSpark (the baseline) from the same start, data and budget: DFlash (the backbone
+    # alone), DFlash 2 (in-block convolutions and the candidate selector) and Eagle3 (one autoregressive layer,
+    # started from the target's last layer as the block drafters' second layer is).
+    "kind-dflash": {"kind": "dflash"},
+    "kind-dflash2": {"kind": "dflash2"},
+    "kind-eagle3": {"kind": "eagle3", "num_layers": 1, "init_from_target": [29]},
 }
 
 
@@ -117,6 +123,9 @@ def main() -> None:
                         help="target cache of ShareGPT's own answers (`hf-dspark cache --dataset-answers N`)")
     parser.add_argument("--output", required=True)
     parser.add_argument("--seconds", type=float, default=1200, help="training budget per variant (seconds of steps)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training budget per variant in optimizer steps instead of --seconds: the same data for "
+                             "every variant whatever the machine's load (each row still reports its seconds)")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
     parser.add_argument("--benchmarks", nargs="+", default=["gsm8k", "humaneval", "mt-bench", "alpaca"])
     parser.add_argument("--prompts-per-benchmark", type=int, default=3)
@@ -146,10 +155,10 @@ def main() -> None:
         summary = train_drafter(
             target, tokenizer, kind=recipe["kind"], output_dir=str(output / name), regenerated=[],
             dataset_answers=0, cache=args.cache if recipe["on_policy"] else args.sharegpt_cache,
-            max_seconds=args.seconds, num_layers=recipe["num_layers"], block_size=recipe["block_size"],
+            max_seconds=None if args.steps else args.seconds, num_layers=recipe["num_layers"], block_size=recipe["block_size"],
             markov_rank=recipe["markov_rank"], draft_vocab_size=recipe["draft_vocab_size"],
             target_layer_ids=None, init_from_target=recipe["init_from_target"], max_length=768, batch_size=4,
-            num_anchors=64, learning_rate=recipe["learning_rate"], max_steps=100_000, save_steps=25,
+            num_anchors=64, learning_rate=recipe["learning_rate"], max_steps=args.steps or 100_000, save_steps=25,
             warmup_ratio=0.0002, seed=0, resume=True, loss_weights=recipe["loss_weights"], qk_norm=True,
             init_markov_bigrams=recipe["init_markov_bigrams"], init_from=recipe["init_from"],
             precondition_fusion=recipe["precondition_fusion"],
@@ -166,15 +175,18 @@ def main() -> None:
     rows = [json.loads(line) for line in results_path.open()]
     base = next((r["tau"] for r in rows if r["variant"] == "baseline"), None)
     lines = ["# Recipe ablation (held-out measured tau, float32 greedy, drafter alone)", "",
-             f"Command: `python benchmarks/recipe_ablation.py --cache {' '.join(args.cache)} --seconds {args.seconds:g} "
-             f"--output {args.output} --threads {args.threads}`" + (f" with `--sharegpt-cache {args.sharegpt_cache}`"
+             f"Command: `python benchmarks/recipe_ablation.py --cache {' '.join(args.cache)} "
+             + (f"--steps {args.steps} " if args.steps else f"--seconds {args.seconds:g} ")
+             + f"--output {args.output} --threads {args.threads}`" + (f" with `--sharegpt-cache {args.sharegpt_cache}`"
                                                                  if args.sharegpt_cache else ""), "",
              f"{len(prompts)} held-out prompts ({', '.join(args.benchmarks)}), {args.max_new_tokens} new tokens.", "",
-             "| variant | steps | tau | vs baseline | identical | acceptance by slot |", "|---|---|---|---|---|---|"]
+             "| variant | steps | train s | tau | vs baseline | identical | acceptance by slot |",
+             "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: -r["tau"]):
         ratio = f"{r['tau'] / base:.3f}x" if base else "-"
         slots = ", ".join("-" if a is None or math.isnan(a) else f"{a:.2f}" for a in r["acceptance_by_slot"])
-        lines.append(f"| {r['variant']} | {r['steps']} | {r['tau']:.3f} | {ratio} | {r['identical']} | {slots} |")
+        lines.append(f"| {r['variant']} | {r['steps']} | {r['train_seconds']:.0f} | {r['tau']:.3f} | {ratio} | "
+                     f"{r['identical']} | {slots} |")
     (output / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

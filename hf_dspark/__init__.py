@@ -13,8 +13,8 @@ from . import models
 from ._version import __version__
 from .generation import (SpeculativeDecoderOnlyOutput, SpeculativeEngine, SpeculativeStats, greedy_verify,
                          rejection_sample)
-from .generation.call.custom_generate import custom_generate_for
-from .generation.call.integration import install_generate_hooks
+from .generation.routing.custom_generate import custom_generate_for
+from .generation.routing.integration import install_generate_hooks
 from .models import *  # noqa: F401,F403  (the drafter API, `hf_dspark.models.__all__`, is the package's too)
 from .models import (DFlash2DraftConfig, DFlash2DraftModel, DSparkDraftConfig, DSparkDraftModel, Eagle3DraftConfig,
                      Eagle3DraftModel)

@@ -12,7 +12,7 @@
 # routes, the engine, the pinned private signatures and the cache adapter; about 8 minutes on 2 cores), with FULL=1
 # every test (about as long as the README's test command).
 # To add a release to the tested set: run this with it, then add it to TESTED_TRANSFORMERS in
-# hf_dspark/generation/call/route_checks.py and widen the range there and in pyproject.toml.
+# hf_dspark/generation/routing/route_checks.py and widen the range there and in pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$(pwd)"
@@ -20,7 +20,7 @@ releases=("$@")
 if [ ${#releases[@]} -eq 0 ]; then
     read -r oldest installed < <(python -c '
 import transformers
-from hf_dspark.generation.call.route_checks import TESTED_TRANSFORMERS
+from hf_dspark.generation.routing.route_checks import TESTED_TRANSFORMERS
 print(TESTED_TRANSFORMERS[0], transformers.__version__)')
     if [ "$oldest" = "$installed" ]; then
         echo "transformers $installed, the oldest tested release, is installed: the README's test command covers it"

@@ -10,7 +10,7 @@ import torch
 
 import hf_dspark.generation.engine.speculative_engine as batched
 from hf_dspark.evaluation.host_syncs import HostSyncCounter
-from hf_dspark.generation.one_prompt import proposers as candidates
+from hf_dspark.generation.one_prompt import prompt_rows as one_prompt_rows
 from hf_dspark.generation.engine import eagle3 as engine_eagle3
 from hf_dspark.generation import batched_speculative_generate
 from conftest import VOCAB, prompts, tiny_drafter, tiny_target
@@ -171,8 +171,8 @@ def test_an_engine_step_reads_the_device_at_most_three_times(setup, rows):
     """Eagle3 rounds add no host read to the engine's two (the verified lengths, then the accepted counts and
     tokens; one more when requests finish): lengths come from the rule on the device, each row's newest context
     row is picked by index. Batch 1 drafts through the very same steps."""
-    assert candidates.context_pass is engine_eagle3.context_pass
-    assert candidates.draft_chain is engine_eagle3.draft_chain
+    assert one_prompt_rows.context_pass is engine_eagle3.context_pass
+    assert one_prompt_rows.draft_chain is engine_eagle3.draft_chain
     target, drafter, _ = setup
     engine = batched.SpeculativeEngine(target, drafter, "all")
     for index, prompt in enumerate(PROMPTS[:rows]):

@@ -496,7 +496,7 @@ def _record_rounds(monkeypatch, drafter):
     """Per drafting pass (batch 1 and batched): every confidence `slot_confidences` computed (what decides the length),
     the budget and the resulting draft lengths."""
     from hf_dspark.generation.engine import speculative_engine as batched
-    from hf_dspark.generation.one_prompt.proposers import DSparkCandidateGenerator
+    from hf_dspark.generation.one_prompt.prompt_rows import OnePromptRows
 
     rounds, slot_confidences = [], drafter.slot_confidences
 
@@ -505,12 +505,12 @@ def _record_rounds(monkeypatch, drafter):
         rounds[-1]["confidences"] += [confidences[:, j].detach().clone() for j in range(confidences.shape[1])]
         return confidences
 
-    single, batch = DSparkCandidateGenerator._draft, batched._draft
+    single, batch = OnePromptRows.draft, batched._draft
 
-    def draft_one(self, input_ids, features, budget):
-        rounds.append({"confidences": [], "budget": [budget]})
-        drafts = single(self, input_ids, features, budget)
-        rounds[-1]["lengths"] = [drafts.length]
+    def draft_one(self, budget, *args):
+        rounds.append({"confidences": [], "budget": budget.tolist()})
+        drafts = single(self, budget, *args)
+        rounds[-1]["lengths"] = drafts.lengths.tolist()
         return drafts
 
     def draft_batch(drafter_, rows, budget, *args):
@@ -520,7 +520,7 @@ def _record_rounds(monkeypatch, drafter):
         return drafts
 
     monkeypatch.setattr(drafter, "slot_confidences", recording_confidences)
-    monkeypatch.setattr(DSparkCandidateGenerator, "_draft", draft_one)
+    monkeypatch.setattr(OnePromptRows, "draft", draft_one)
     monkeypatch.setattr(batched, "_draft", draft_batch)
     return rounds
 
@@ -1036,7 +1036,7 @@ def test_a_round_stopped_by_eos_counts_only_the_drafts_it_emits(monkeypatch):
     round emits its accepted drafts plus one target token; with the stop inside the drafts, the EOS is that token
     (as llama.cpp counts it), so tokens = 1 (from the prompt's forward) + sum(accepted + 1) holds to the end."""
     from hf_dspark.generation import batched_speculative_generate
-    from hf_dspark.generation.one_prompt.proposers import DSparkCandidateGenerator
+    from hf_dspark.generation.one_prompt.prompt_rows import OnePromptRows
     from test_batched import left_pad, use_oracle
 
     target, block = tiny_target("llama"), 4
@@ -1044,21 +1044,21 @@ def test_a_round_stopped_by_eos_counts_only_the_drafts_it_emits(monkeypatch):
     prompt = prompts(1)[0]
     reference = target.generate(prompt, do_sample=False, max_new_tokens=40)[0]
     index, eos = _first_new_eos(reference[prompt.shape[1]:].tolist(), block)
-    single = DSparkCandidateGenerator._draft
+    single = OnePromptRows.draft
 
-    def oracle(self, input_ids, features, budget):  # the target's own continuation: every draft is accepted
-        drafts = single(self, input_ids, features, budget)
-        start = input_ids.shape[1]
-        drafts.tokens[0, : drafts.length] = reference[start : start + drafts.length]
+    def oracle(self, budget, *args):  # the target's own continuation: every draft is accepted
+        drafts = single(self, budget, *args)
+        start, drafted = self.sequence.shape[1], drafts.tokens.shape[1]
+        drafts.tokens[0] = reference[start : start + drafted]
         return drafts
 
-    monkeypatch.setattr(DSparkCandidateGenerator, "_draft", oracle)
+    monkeypatch.setattr(OnePromptRows, "draft", oracle)
     out = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=30, eos_token_id=eos)
     generated = out.shape[1] - prompt.shape[1]
     assert generated == index + 1 and torch.equal(out[0], reference[: out.shape[1]])
     stats = drafter.last_generation_stats
     assert 1 + sum(a + 1 for a in stats.accepted) == generated, stats.accepted
-    monkeypatch.setattr(DSparkCandidateGenerator, "_draft", single)
+    monkeypatch.setattr(OnePromptRows, "draft", single)
     # The batched engine counts the same way.
     use_oracle(monkeypatch, [reference], block_size=block)
     drafter.generation_config.dspark_round_planning = False  # every round drafts (the oracle's drafts)

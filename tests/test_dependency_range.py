@@ -8,8 +8,8 @@ import transformers
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from hf_dspark.generation.call import integration
-from hf_dspark.generation.call.route_checks import SUPPORTED_TRANSFORMERS, TESTED_TRANSFORMERS, untested_release_message
+from hf_dspark.generation.routing import integration
+from hf_dspark.generation.routing.route_checks import SUPPORTED_TRANSFORMERS, TESTED_TRANSFORMERS, untested_release_message
 
 ROOT = Path(__file__).resolve().parents[1]
 

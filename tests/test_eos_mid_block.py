@@ -13,12 +13,11 @@ import itertools
 import pytest
 import torch
 
-import hf_dspark.generation.engine.passes as passes
 import hf_dspark.generation.engine.speculative_engine as engine_module
-import hf_dspark.generation.one_prompt.loop as loop_module
+import hf_dspark.generation.round.skeleton as skeleton
 from hf_dspark import DraftingState
 from hf_dspark.generation.engine.eagle3 import row_drafter_for
-from hf_dspark.generation.one_prompt.proposers import DraftCandidateGenerator
+from hf_dspark.generation.one_prompt.prompt_rows import OnePromptRows
 from hf_dspark.policy import VerificationCostTable
 from conftest import prompts, tiny_drafter, tiny_target
 from test_batched import left_pad
@@ -39,12 +38,12 @@ def accept_every_block(monkeypatch, references: list[torch.Tensor]) -> None:
     """Every drafted slot becomes the target's own greedy token there (`references`: each prompt followed by its
     greedy continuation, no EOS), in the batch-1 loop and the engine, for every drafter kind: verification accepts
     whole blocks. The drafter still runs; only its tokens are replaced (greedy verification compares tokens)."""
-    propose = DraftCandidateGenerator.propose
+    draft = OnePromptRows.draft
 
-    def batch_one(self, input_ids, model_outputs):  # R = 1: the only prompt
-        drafts = propose(self, input_ids, model_outputs)
-        start = input_ids.shape[1]
-        for slot in range(drafts.length):
+    def batch_one(self, budget, *args):  # R = 1: the only prompt
+        drafts = draft(self, budget, *args)
+        start = self.sequence.shape[1]
+        for slot in range(int(budget[0])):
             drafts.tokens[0, slot] = references[0][start + slot]
         return drafts
 
@@ -58,7 +57,7 @@ def accept_every_block(monkeypatch, references: list[torch.Tensor]) -> None:
             return drafts
         return rigged
 
-    monkeypatch.setattr(DraftCandidateGenerator, "propose", batch_one)
+    monkeypatch.setattr(OnePromptRows, "draft", batch_one)
     monkeypatch.setattr(engine_module, "row_drafter_for",
                         lambda drafter: engine_pass(row_drafter_for(drafter) or engine_module._draft))
 
@@ -76,8 +75,7 @@ def record_verifications(monkeypatch) -> list[tuple[list[int], int]]:
             return result
         return verify_and_record
 
-    monkeypatch.setattr(loop_module, "verify_drafts", recording(loop_module.verify_drafts))  # R = 1
-    monkeypatch.setattr(passes, "verify_drafts", recording(passes.verify_drafts))  # the engine's rounds
+    monkeypatch.setattr(skeleton, "verify_drafts", recording(skeleton.verify_drafts))  # every round, at every R
     return records
 
 

@@ -9,7 +9,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from hf_dspark import DraftingState
-from hf_dspark.generation.one_prompt.proposers import DraftCandidateGenerator
+from hf_dspark.generation.one_prompt.prompt_rows import OnePromptRows
 from hf_dspark.generation.round.sampling import ProcessorSampling
 from conftest import prompts, tiny_drafter, tiny_target
 
@@ -45,15 +45,15 @@ def use_oracle(monkeypatch, reference: torch.Tensor, correct_slots: int | None):
             token = (token + 1) % processed.shape[-1]
         return torch.tensor([token], device=processed.device), None
 
-    original = DraftCandidateGenerator.propose
+    original = OnePromptRows.draft
 
-    def propose(self, input_ids, model_outputs):
-        self.sampling.oracle_anchor = input_ids.shape[1] - 1
-        self.sampling.oracle_position = input_ids.shape[1]
-        return original(self, input_ids, model_outputs)
+    def draft(self, budget, slots, rule, sampling, generator):
+        sampling.oracle_anchor = self.sequence.shape[1] - 1
+        sampling.oracle_position = self.sequence.shape[1]
+        return original(self, budget, slots, rule, sampling, generator)
 
     monkeypatch.setattr(ProcessorSampling, "choose", choose)
-    monkeypatch.setattr(DraftCandidateGenerator, "propose", propose)
+    monkeypatch.setattr(OnePromptRows, "draft", draft)
 
 
 @pytest.mark.parametrize("kind", ["markov", "eagle3"])

@@ -8,7 +8,7 @@ import torch
 
 from hf_dspark.evaluation.host_syncs import HostSyncCounter
 from hf_dspark.generation.engine import speculative_engine as batched
-from hf_dspark.generation.one_prompt import proposers as candidates
+from hf_dspark.generation.one_prompt import prompt_rows as one_prompt_rows
 from hf_dspark.generation.round import drafting
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.policy import DSparkScheduler, VerificationCostTable
@@ -84,11 +84,10 @@ def test_an_engine_step_reads_the_device_at_most_four_times_whatever_the_rows(ro
 
 
 def test_both_loops_draft_and_verify_through_the_one_core():
-    assert candidates.draft_block is batched.draft_block is drafting.draft_block
-    from hf_dspark.generation.one_prompt import loop as decoding
-    from hf_dspark.generation.round import verification
+    assert one_prompt_rows.draft_block is batched.draft_block is drafting.draft_block
+    from hf_dspark.generation.round import skeleton, verification
 
-    assert batched.verify_drafts is verification.verify_drafts is decoding.verify_drafts
+    assert skeleton.verify_drafts is verification.verify_drafts
     # Batch 1 and the engine at R = 1 draft the same tokens on the same context (greedy, no cost table).
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "markov", block_size=4)
@@ -105,11 +104,11 @@ def test_both_loops_draft_and_verify_through_the_one_core():
 
     ids = prompts(1, length=7)[0]
     drafter.generation_config.dspark_round_planning = False  # both loops draft every round
-    candidates.draft_block = spy("single")
+    one_prompt_rows.draft_block = spy("single")
     try:
         single = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12)
     finally:
-        candidates.draft_block = original
+        one_prompt_rows.draft_block = original
     batched.draft_block = spy("engine")
     try:
         engine = SpeculativeEngine(target, drafter, "all")

@@ -15,7 +15,7 @@ import hf_dspark.generation.engine.speculative_engine as engine_module
 from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.generation.engine.eagle3 import row_drafter_for
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
-from hf_dspark.generation.one_prompt.proposers import DraftCandidateGenerator
+from hf_dspark.generation.one_prompt.prompt_rows import OnePromptRows
 from hf_dspark.transformers_internals.recurrent_states import keeps_states_per_position, state_problems
 from hf_dspark.policy import VerificationCostTable
 from hf_dspark.training import DSparkTrainer
@@ -49,20 +49,20 @@ def rig_drafts(monkeypatch, reference: torch.Tensor, schedule) -> None:
     """Replace each round's drafts by the target's own greedy continuation (from `reference`, (1, L)), corrupted from
     slot `schedule(round)` on (None: none corrupted), so rounds accept zero, some or all of their drafts. The drafter
     still runs; only its tokens are replaced (greedy verification compares tokens)."""
-    original = DraftCandidateGenerator.propose
+    original = OnePromptRows.draft
     rounds = iter(range(10**6))
 
-    def propose(self, input_ids, model_outputs):
-        drafts = original(self, input_ids, model_outputs)
+    def draft(self, budget, *args):
+        drafts = original(self, budget, *args)
         correct = schedule(next(rounds))
-        start = input_ids.shape[1]
-        for slot in range(drafts.length):
+        start = self.sequence.shape[1]
+        for slot in range(int(budget[0])):
             token = int(reference[0, start + slot]) if start + slot < reference.shape[1] else 0
             wrong = correct is not None and slot >= correct
             drafts.tokens[0, slot] = (token + 1) % VOCAB if wrong else token
         return drafts
 
-    monkeypatch.setattr(DraftCandidateGenerator, "propose", propose)
+    monkeypatch.setattr(OnePromptRows, "draft", draft)
 
 
 @pytest.mark.parametrize("family", HYBRIDS)

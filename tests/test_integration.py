@@ -16,9 +16,9 @@ from transformers import BartConfig, BartForConditionalGeneration, GenerationCon
 from transformers.generation.utils import GenerationMixin
 
 import hf_dspark
-from hf_dspark.generation.call import integration
-from hf_dspark.generation.call.custom_generate import custom_generate_for
-from hf_dspark.generation.call.integration import (
+from hf_dspark.generation.routing import integration
+from hf_dspark.generation.routing.custom_generate import custom_generate_for
+from hf_dspark.generation.routing.integration import (
     SUPPORTED_TRANSFORMERS,
     TransformersCompatibilityError,
     hook_signature_problems,

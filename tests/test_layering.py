@@ -1,9 +1,14 @@
-"""Dependencies run one way: transformers_internals (every use of transformers' private API) at the bottom, then
+"""Dependencies run one way, at every level. Between the top-level packages: transformers_internals (every use of transformers' private API) at the bottom, then
 models, targets (the default target and `load_target`), policy, generation, evaluation (prompt sets, harness), training
 (which decontaminates against the evaluation sets), hub, the package itself, then the command line. Checked on the
 source (ast), so lazy imports inside functions count too, as do `importlib.import_module("hf_dspark....")` calls. No
 two modules import each other, directly or round a longer circle, when they are imported; and the core imports no
-optional dependency at module level."""
+optional dependency at module level.
+
+Inside every package the same holds between its parts (its modules and sub-packages): no circle, so each part
+imports only parts below it. `generation/`'s parts are named in their order: the round and its steps (`round/`),
+what a call resolves (`call/`: settings, plan, outputs), the two loops (`one_prompt/`, `engine/`, neither importing
+the other), and the routing of a call at the top (`routing/`)."""
 
 import ast
 import subprocess
@@ -212,6 +217,48 @@ def test_there_are_no_import_circles_through_lazy_imports_either():
         edges[source] = {existing_module(t) for t in imported_modules(path)} - {source}
     found = circles(edges)
     assert found == [], " ; ".join(" <-> ".join(group) for group in found)
+
+
+PACKAGES = sorted(module_name(p) for p in SOURCES if p.name == "__init__.py")
+GENERATION_ORDER = ["round", "call", "one_prompt", "engine", "routing"]
+
+
+def part_graph(package: str) -> dict[str, set[str]]:
+    """The parts of `package` (its direct modules and sub-packages, by name) -> the parts each imports, every
+    import counted (lazy ones too); a package's `__init__` is not one of its parts."""
+    def part(module: str) -> str | None:
+        return module[len(package) + 1:].split(".")[0] if module.startswith(package + ".") else None
+
+    edges: dict[str, set[str]] = {}
+    for path in SOURCES:
+        source = part(module_name(path))
+        if source is None:
+            continue
+        for target in imported_modules(path):
+            target = part(existing_module(target))
+            if target is not None and target != source:
+                edges.setdefault(source, set()).add(target)
+    return edges
+
+
+def test_the_part_graph_sees_parts_of_a_package():
+    edges = part_graph("hf_dspark.generation")
+    assert edges["routing"] >= {"call", "engine", "one_prompt"} and "round" in edges["engine"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_package_has_a_circle_between_its_parts(package):
+    found = circles(part_graph(package))
+    assert found == [], " ; ".join(" <-> ".join(group) for group in found)
+
+
+def test_generation_imports_only_downward():
+    edges = part_graph("hf_dspark.generation")
+    assert set(edges) | {t for targets in edges.values() for t in targets} <= set(GENERATION_ORDER)
+    for source, targets in edges.items():
+        for target in targets:
+            assert GENERATION_ORDER.index(target) < GENERATION_ORDER.index(source), f"{source} imports {target}"
+    assert "engine" not in edges.get("one_prompt", set()), "the loops share steps through round/, not each other"
 
 
 @pytest.mark.parametrize("optional", ["accelerate", "peft", "matplotlib"])

@@ -1,9 +1,11 @@
-"""One implementation of each step of a round: the batch-1 loop and the batched engine call the same functions to
-plan the round (the same policy, learning the same way), build the drafter's input block, draft, decide how many
-drafts to verify, verify, merge the accepted drafts with the target's token, stop, count what a stopping round
-emitted, and propose suffix matches."""
+"""One round skeleton (`round.skeleton.speculative_round`) that both loops run, and one implementation of each of its
+steps: the batch-1 loop and the batched engine call the same functions to plan the round (the same policy, learning
+the same way), build the drafter's input block, draft, decide how many drafts to verify, verify, merge the accepted
+drafts with the target's token, stop, count what a stopping round emitted, and propose suffix matches."""
 
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +16,8 @@ from hf_dspark.generation.engine import requests as engine_requests
 from hf_dspark.generation.engine import speculative_engine as batched
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.generation.one_prompt import loop as decoding
-from hf_dspark.generation.one_prompt import proposers as candidates
-from hf_dspark.generation.round import drafting, stopping, verification
+from hf_dspark.generation.one_prompt import prompt_rows as one_prompt_rows
+from hf_dspark.generation.round import drafting, skeleton, stopping, verification
 from hf_dspark.models import suffix
 from hf_dspark.policy import planner
 from hf_dspark.policy.acceptance import SuffixAcceptance
@@ -24,10 +26,11 @@ from hf_dspark.policy.length_rule import DraftLengthRule
 
 # Each step: (the module that defines it, its name), and the modules of both loops that call it by that name.
 SHARED_STEPS = {
-    "draft_input_block": (drafting, [candidates, batched]),
-    "draft_block": (drafting, [candidates, batched]),
-    "verify_drafts": (verification, [decoding, engine_rounds, batched]),
-    "round_tokens": (drafting, [decoding, engine_rounds]),
+    "speculative_round": (skeleton, [decoding, batched]),
+    "draft_input_block": (drafting, [one_prompt_rows, batched]),
+    "draft_block": (drafting, [one_prompt_rows, batched]),
+    "verify_drafts": (verification, [skeleton, decoding, batched]),
+    "round_tokens": (drafting, [skeleton]),
     "emitted_drafts": (drafting, [decoding, batched]),
 }
 
@@ -99,10 +102,58 @@ def test_both_loops_make_their_round_policy_from_the_calls_plan(monkeypatch):
         original(self, *args, **kwargs)
 
     assert planner.SuffixProposer is suffix.SuffixProposer
-    assert not hasattr(candidates, "RoundPolicy") and not hasattr(candidates, "SuffixProposer")
+    for module in (decoding, one_prompt_rows, batched, engine_rounds):
+        assert not hasattr(module, "RoundPolicy") and not hasattr(module, "SuffixProposer")
     monkeypatch.setattr(RoundPolicy, "__init__", recording)
     target.generate(prompts(1, length=5)[0], assistant_model=drafter, do_sample=False, max_new_tokens=6)
     engine = SpeculativeEngine(target, drafter)
     engine.submit(prompts(1, length=5)[0][0], 6)
     engine.run_until_done()
     assert len(made) == 2 and all(isinstance(m.suffix_acceptance, SuffixAcceptance) for m in made)
+
+
+def _files_the_round_calls(run) -> set[str]:
+    """The hf_dspark files (relative to the package) of every function `round/skeleton.py` calls directly while
+    `run()` runs: what a reader follows from the round's skeleton."""
+    package = Path(skeleton.__file__).resolve().parents[2]
+    home, seen = skeleton.__file__, set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_back is not None and frame.f_back.f_code.co_filename == home:
+            called = Path(frame.f_code.co_filename).resolve()
+            if package in called.parents:
+                seen.add(called.relative_to(package).as_posix())
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["markov", "eagle3"])
+def test_a_round_reads_in_six_files_at_either_batch_size(kind):
+    """Both loops run the skeleton, which calls into the loop's rows, the drafting cores, the acceptance rule and the
+    policy only: with the loop itself, six files at batch 1 and six in the engine."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, kind, block_size=4, suffix_drafting=True)
+    drafter.generation_config.dspark_round_planning = False  # every round drafts
+    prompt = torch.cat([prompts(1, length=5)[0]] * 2, dim=1)
+    shared = {"generation/round/skeleton.py", "generation/round/drafting.py", "generation/round/verification.py",
+              "policy/planner.py"}
+
+    batch_one = _files_the_round_calls(
+        lambda: target.generate(prompt, assistant_model=drafter, do_sample=True, max_new_tokens=10))
+    assert "generation/one_prompt/prompt_rows.py" in batch_one
+    assert batch_one <= shared | {"generation/one_prompt/prompt_rows.py"}, batch_one
+
+    def engine_run():
+        engine = SpeculativeEngine(target, drafter)
+        for row in prompts(2, length=5):
+            engine.submit(row[0], 10, do_sample=True)
+        engine.run_until_done()
+
+    engine = _files_the_round_calls(engine_run)
+    assert "generation/engine/passes.py" in engine
+    assert engine <= shared | {"generation/engine/passes.py"}, engine

@@ -1,6 +1,6 @@
 """transformers' own speculative decoding runs exactly as it does without hf_dspark.
 
-`import hf_dspark` replaces three `GenerationMixin` methods (hf_dspark/generation/call/integration.py), which act
+`import hf_dspark` replaces three `GenerationMixin` methods (hf_dspark/generation/routing/integration.py), which act
 only when the assistant is one of hf_dspark's drafters. Every speculative path transformers has of its own must stay
 stock: prompt lookup, a classic assistant, early exit, assistants with another tokenizer (greedy, and universal
 assisted decoding when sampling), MTP layers, the Gemma 4 assistants and DFlash. Each path runs in two fresh

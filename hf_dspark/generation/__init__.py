@@ -1,16 +1,19 @@
 """Speculative decoding with hf_dspark drafters, grouped by concern:
 
-* `call/`: a `generate()` call: the hooks that route it (`integration`, `custom_generate`), its checks, its settings
-  and one `DraftingPlan`, `dispatch` (one prompt to the batch-1 loop, several to the engine), outputs;
-* `round/`: the steps both loops share: drafting, verification, sampling, suffix matches, stopping, statistics;
-* `one_prompt/`: the batch-1 loop, its proposers and target runners;
-* `engine/`: the batched engine (`SpeculativeEngine`): rows with holes, its passes, requests, planning, masks.
+* `round/` (the bottom): one round (`skeleton`) and the steps it runs at every batch size: drafting, verification,
+  sampling, stopping, statistics;
+* `call/`: what a `generate()` call resolves before any token: its settings, one `DraftingPlan`, its outputs;
+* `one_prompt/`: the batch-1 loop, its rows and target runners;
+* `engine/`: the batched engine (`SpeculativeEngine`): rows with holes, its passes, requests, masks;
+* `routing/` (the top): the hooks that take a `generate()` call (`integration`, `custom_generate`), its checks, and
+  `dispatch` (one prompt to the batch-1 loop, several to the engine).
+
+Each imports only those listed before it (`tests/test_layering.py`).
 """
 
 from .engine.speculative_engine import BatchedOutput, SpeculativeEngine
-from .call.batch import batched_speculative_generate
-from .one_prompt.proposers import DraftCandidateGenerator, DSparkCandidateGenerator, Eagle3CandidateGenerator
-from .call.dispatch import speculative_decoding
+from .routing.batch import batched_speculative_generate
+from .routing.dispatch import speculative_decoding
 from .call.outputs import SpeculativeDecoderOnlyOutput
 from .call.plan import DraftingPlan
 from .call.settings import DraftingSettings
@@ -23,11 +26,8 @@ install_drafting_settings_check(DraftingSettings.resolve)
 
 __all__ = [
     "BatchedOutput",
-    "DraftCandidateGenerator",
     "DraftingPlan",
     "DraftingSettings",
-    "DSparkCandidateGenerator",
-    "Eagle3CandidateGenerator",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeEngine",
     "SpeculativeStats",

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-ENTRY_MODULE = PACKAGE_ROOT / "generation" / "call" / "dispatch.py"
+ENTRY_MODULE = PACKAGE_ROOT / "generation" / "routing" / "dispatch.py"
 _RELATIVE_IMPORT = re.compile(r"^(\s*from\s+)(\.+)([\w.]*)(\s+import\b)", flags=re.MULTILINE)
 
 GENERATE_PY = '''"""DSpark / DFlash / Eagle3 speculative decoding for stock `transformers` (no hf_dspark install needed).

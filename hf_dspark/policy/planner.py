@@ -19,6 +19,7 @@ from ..models.suffix import SuffixProposer
 from .acceptance import ConfidenceShift, SlotAcceptance, SuffixAcceptance, survivals
 from .admission import best_width
 from .costs import CostModel
+from .length_rule import DraftLengthRule
 
 DRAFTER, SUFFIX, NO_DRAFT = "drafter", "suffix", "none"
 
@@ -52,15 +53,19 @@ class RoundPolicy:
         calibration: the `ConfidenceShift` the admission rule after drafting reads the confidences through, learnt
             into from the verified drafts' confidences.
         clock: what the passes are timed by (a simulation's own clock).
+        rule: the `DraftLengthRule` that decides after drafting how many of a drafter row's slots it verifies
+            (None: every planned slot).
     """
 
     def __init__(self, slots: int, *, planning: bool, costs: CostModel,
                  suffix_acceptance: SuffixAcceptance | None = None, drafter_acceptance: SlotAcceptance | None = None,
-                 seed: int = 0, calibration: ConfidenceShift | None = None, clock=None):
-        self.planning, self.costs, self.suffix_acceptance = planning, costs, suffix_acceptance
+                 seed: int = 0, calibration: ConfidenceShift | None = None, clock=None,
+                 rule: DraftLengthRule | None = None):
+        self.slots, self.planning, self.costs, self.suffix_acceptance = slots, planning, costs, suffix_acceptance
         self.acceptance = drafter_acceptance if drafter_acceptance is not None else SlotAcceptance.empty(slots)
         self.acceptance.cover(slots)
         self.rng, self.calibration = random.Random(seed), calibration
+        self.rule = rule if rule is not None else DraftLengthRule()
         self.clock = clock if clock is not None else time.perf_counter
         self.requests: dict[int, SuffixProposer] = {}  # each request's suffix proposer over its text
         self.proposals: dict[int, tuple[list[int], int]] = {}  # this round's suffix proposals (tokens, match)

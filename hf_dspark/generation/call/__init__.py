@@ -1,1 +1,1 @@
-"""A `generate()` call: the hooks that route it, its settings and plan, its checks and outputs."""
+"""What a `generate()` call resolves before any token: its settings, its `DraftingPlan`, its outputs. Below both loops."""

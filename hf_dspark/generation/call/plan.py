@@ -1,7 +1,7 @@
 """One plan per `generate()` call: the settings resolved once into what the batch-1 loop and the engine run.
 
 A `DraftingPlan` holds the checked settings, the verification policy and its draft-length rule, the stopping limits,
-and makes a loop's cost model, round policy and target runner. What rounds learn goes to the plan's `DraftingState`
+and makes a loop's cost model and round policy. What rounds learn goes to the plan's `DraftingState`
 (`settings.state`): the one the call was given, else, while the call runs, its drafter's own for the target
 (`remembered_state`), which later calls start from.
 """
@@ -18,7 +18,6 @@ from .settings import DraftingSettings
 from ...policy.costs import CostModel
 from ...policy.planner import RoundPolicy
 from ..round.stopping import HostStoppingRule, StopLimits
-from ..one_prompt.target_runners import target_runner_for
 
 
 # Verification policies that read the drafter's confidence head.
@@ -87,17 +86,14 @@ class DraftingPlan:
             costs = self.state.round_costs[key] = CostModel(settings.cost_table, learn)
         return costs
 
-    def round_policy(self, slots: int, costs: CostModel) -> RoundPolicy:
+    def round_policy(self, slots: int, costs: CostModel, rule: DraftLengthRule | None = None) -> RoundPolicy:
         """The policy of a loop of any batch size drafting up to `slots` tokens per row, learning into the call's
-        state and `costs`."""
+        state and `costs`; `rule` (the loop's `length_rule`) decides after drafting."""
         settings, statistics = self.settings, self.state.statistics
         return RoundPolicy(slots, planning=settings.round_planning, costs=costs,
                            suffix_acceptance=statistics.suffix if settings.round_planning and settings.suffix_drafting
-                           else None, drafter_acceptance=statistics.drafter, calibration=self.state.confidence_shift)
+                           else None, drafter_acceptance=statistics.drafter, calibration=self.state.confidence_shift,
+                           rule=rule)
 
     def stop_rule(self) -> HostStoppingRule | None:
         return HostStoppingRule.from_limits(self.stop_limits)
-
-    def target_runner(self, target, cache, generation_config, layer_indices: list[int]):
-        return target_runner_for(target, cache, generation_config, layer_indices, self.num_draft_slots,
-                                 self.settings.cost_table)

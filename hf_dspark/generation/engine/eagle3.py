@@ -1,10 +1,5 @@
-"""Eagle3 drafting for R rows at once (the batched engine), and the steps the batch-1 generator shares with it.
-
-An Eagle3 context row t reads the target feature at t with the token at t + 1 and predicts the token at t + 2. A
-round runs one context pass over the rows committed since the drafter last ran (`context_pass`), then one drafter
-step per drafted token, each reading the token just drafted with the drafter's own previous output state
-(`draft_chain`); the drafted rows leave the drafter cache afterwards, so rejected tokens leave no trace. Batch 1
-(`one_prompt.proposers.Eagle3CandidateGenerator`) runs these two steps with no masks or positions (its cache has no holes).
+"""Eagle3 drafting for R rows at once in the batched engine: the chain's two steps (`round.drafting.context_pass`,
+`draft_chain`, which the batch-1 loop runs too) over rows whose drafter cache has holes.
 
 In the engine the drafter cache keeps holes like the target's (`BatchRows.draft_valid`): the context pass attends to
 the valid cached columns and, causally, to the valid queued ones (every queued row also sees itself, so a hole's
@@ -20,71 +15,10 @@ from __future__ import annotations
 import torch
 
 from ...models.identity import EAGLE3_DRAFTER_TYPE, drafter_type
-from ...models.layers import DraftContextCache
 from ...models.modeling_eagle3 import Eagle3DraftModel
 from ...policy.length_rule import DraftLengthRule
 from .rows import BatchRows
-from ..round.drafting import Drafts
-
-
-def context_pass(drafter: Eagle3DraftModel, tokens: torch.LongTensor, features: torch.Tensor,
-                 cache: DraftContextCache, positions: torch.LongTensor | None = None,
-                 mask: torch.BoolTensor | None = None,
-                 newest: torch.LongTensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append context rows (`features` (R, M, F) with `tokens` (R, M), the token after each) to `cache`; returns
-    the logits (R, V) and output state (R, 1, H) of each row's newest context row: column `newest` (R,), or the
-    last row when None (batch 1). `positions` and `mask` None: right after the cached rows, causal."""
-    if newest is None:
-        out = drafter(input_ids=tokens, target_hidden_states=features, cache=cache)
-        return out.logits[:, -1], out.hidden_states[:, -1:]
-    # Only the newest rows' logits, picked by index: a boolean mask would read the device to count its rows.
-    newest = newest.to(features.device)  # the drafter's (`attach_target`)
-    picked = (torch.arange(newest.shape[0], device=newest.device), newest)
-    out = drafter(input_ids=tokens, target_hidden_states=features, position_ids=positions, attention_mask=mask,
-                  cache=cache, logits_mask=picked)
-    return out.logits, out.hidden_states[picked][:, None]
-
-
-def draft_chain(drafter: Eagle3DraftModel, logits: torch.Tensor, state: torch.Tensor, slots: int, sampling,
-                generator: torch.Generator | None, cache: DraftContextCache,
-                positions: torch.LongTensor | None = None,
-                context_valid: torch.BoolTensor | None = None) -> tuple[torch.LongTensor, torch.Tensor | None]:
-    """Draft `slots` tokens per row from the newest context row's `logits` and `state`: each slot's token goes
-    through the user's processors and the choice (`sampling`), then one drafter step reads it with the previous
-    state. The drafted rows are removed from `cache` afterwards.
-
-    Args:
-        positions: (R,) the position of each row's first step (its anchor's); None: right after the cached rows.
-        context_valid: (R, C) the cache's valid columns before the chain (the steps see those and themselves);
-            None: every column.
-
-    Returns:
-        (tokens (R, slots), the distributions sampled rows drew them from (R, slots, V), or None).
-    """
-    context_length = cache.get_seq_length()
-    num_rows = logits.shape[0]
-    tokens, probs = [], []
-    drafted = torch.zeros(num_rows, 0, dtype=torch.long, device=logits.device)
-    for slot in range(slots):
-        processed = sampling.process(drafter.to_target_vocab(logits.float()), drafted)
-        token, distribution = sampling.choose(processed, generator)
-        tokens.append(token)
-        if distribution is not None:
-            probs.append(distribution)
-        if slot + 1 == slots:
-            break
-        if not getattr(sampling, "context_free", True):
-            drafted = torch.stack(tokens, dim=1)  # only processors that read the context need it
-        kwargs = {}
-        if positions is not None:
-            valid = torch.cat([context_valid, context_valid.new_ones(num_rows, slot + 1)], dim=1)
-            kwargs = dict(position_ids=(positions + slot)[:, None], attention_mask=valid[:, None, None, :])
-        out = drafter(input_ids=token[:, None], hidden_states=state, cache=cache, **kwargs)
-        logits, state = out.logits[:, -1], out.hidden_states
-    cache.crop(context_length)  # drafted rows were built on the drafter's own states
-    if not tokens:
-        return drafted, None
-    return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None
+from ..round.drafting import Drafts, context_pass, draft_chain
 
 
 def newest_column(newest: torch.BoolTensor) -> torch.LongTensor:
@@ -140,4 +74,4 @@ def row_drafter_for(drafter):
     return draft_rows if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE else None
 
 
-__all__ = ["context_mask", "context_pass", "draft_chain", "draft_rows", "project_queued", "row_drafter_for"]
+__all__ = ["context_mask", "draft_rows", "project_queued", "row_drafter_for"]

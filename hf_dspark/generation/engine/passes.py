@@ -1,7 +1,7 @@
 """The batched engine's passes over the running rows: the target forward, prefilling new prompts (or the new tokens
-of a conversation continued on its parked cache), verifying a round's drafts and committing what was accepted, and
-plain decoding's step (no drafter: every round verifies no drafts and emits one token per row), and laying suffix
-proposals over the drafter's drafts.
+of a conversation continued on its parked cache), the rows a round verifies (`EngineRows`: the
+forward over the drafts, committing what was accepted), and plain decoding's step (no drafter: every round verifies
+no drafts and emits one token per row).
 
 Nothing here decides what a round does; `speculative_engine.SpeculativeEngine` does, from values it reads on the host."""
 
@@ -18,12 +18,10 @@ from ...models.modeling_eagle3 import Eagle3DraftModel
 from ...transformers_internals.accessors import supports_logits_to_keep
 from ...transformers_internals.cache_layers import cache_layers, crop_entries, mask_taking_attention, stack_layer_rows
 from ...transformers_internals.recurrent_states import has_recurrent_layers, keep_recurrent_states, keep_states_after
-from .rows import BatchRows, pad_to, to_device
-from ..round.drafting import Drafts, one_hot_probs, round_tokens
-from ..round.verification import verify_drafts
+from .rows import BatchRows, to_device
+from ..round.drafting import Drafts
 from .eagle3 import project_queued
 from .requests import ParkedCache
-from ..round.sampling import RowSampling
 from .checks import new_target_cache
 from .masks import target_attention_mask
 
@@ -167,38 +165,57 @@ def project_context(drafter: DSparkDraftModel | Eagle3DraftModel, rows: BatchRow
     rows.take_context()
 
 
-def verify_round(target, rows: BatchRows, drafts: Drafts, width: int, layer_indices, sampling: RowSampling,
-                 generator, feature_device):
-    """Verify every row's anchor and drafts in one target forward of `width` entries per row (the longest row's
-    drafts + 1, read on the host). Returns (candidate tokens (R, width): accepted drafts then the target's token,
-    number accepted (R,), features, positions), all on the device."""
-    offsets = torch.arange(width, device=rows.anchor.device)
-    tokens = torch.cat([rows.anchor[:, None], drafts.tokens[:, : width - 1]], dim=1)
-    new_valid = offsets[None, :] < drafts.lengths[:, None] + 1
-    positions = rows.target_length[:, None] + offsets  # padded entries get the same arithmetic; they are masked
-    if width > 1 and has_recurrent_layers(rows.target_cache):
-        keep_recurrent_states(rows.target_cache, width)  # each row keeps its own count (`commit_round`)
-    target_logits, features = target_forward(target, rows, tokens, new_valid, positions, layer_indices, keep=width,
-                                             feature_device=feature_device)
-    num_accepted, next_token, _ = verify_drafts(sampling, target_logits, drafts, generator)
-    new_tokens = round_tokens(drafts.tokens[:, : width - 1], num_accepted, next_token)
-    return new_tokens, num_accepted, features, positions
+class EngineRows:
+    """The running rows as a round sees them (`round.skeleton.RoundRows`): caches with holes, explicit positions.
 
+    `draft_pass` is the drafter kind's pass over all rows (`speculative_engine._draft`, `eagle3.draft_rows`); the
+    verification's features and positions wait here for `commit`."""
 
-def commit_round(rows: BatchRows, num_accepted: torch.LongTensor, accepted: list[int], width: int, features,
-                 positions, new_tokens: torch.LongTensor) -> None:
-    """The newest token and the accepted drafts become valid; rejected drafts and padding stay as holes, except
-    the trailing columns that no row kept: cropping those is a free slice and bounds the cache's growth. A recurrent
-    layer keeps no holes: each row takes its state after its kept entries. `accepted` is `num_accepted` as read on
-    the host; `new_tokens` (`verify_round`'s) holds the token after each kept entry."""
-    used = max(accepted) + 1
-    keep_states_after(rows.target_cache, num_accepted + 1, width)
-    if used < width:
-        crop_entries(rows.target_cache, width - used)
-    kept = torch.arange(used, device=rows.anchor.device)[None, :] < num_accepted[:, None] + 1
-    rows.target_valid = torch.cat([rows.target_valid, kept], dim=1)
-    rows.target_length = rows.target_length + num_accepted + 1
-    rows.stage_context(features, kept, positions, new_tokens, width=used)
+    def __init__(self, target, drafter, rows: BatchRows, draft_pass, layer_indices, feature_device):
+        self.target, self.drafter, self.rows, self.draft_pass = target, drafter, rows, draft_pass
+        self.layer_indices, self.feature_device = layer_indices, feature_device
+        self._verified = None
+
+    @property
+    def anchor(self) -> torch.LongTensor:
+        return self.rows.anchor
+
+    def queued_context(self) -> int:
+        return self.rows.pending.shape[1]
+
+    def draft(self, budget, slots, rule, sampling, generator) -> Drafts:
+        return self.draft_pass(self.drafter, self.rows, budget, slots, rule, sampling, generator)
+
+    def verify_forward(self, tokens: torch.LongTensor, drafts: Drafts, width: int) -> torch.Tensor:
+        """Every row's anchor and drafts in one target forward of `width` entries per row (the longest row's drafts
+        + 1); a row's entries past its own drafts are padding, masked and never kept."""
+        rows = self.rows
+        offsets = torch.arange(width, device=rows.anchor.device)
+        new_valid = offsets[None, :] < drafts.lengths[:, None].to(offsets.device) + 1
+        positions = rows.target_length[:, None] + offsets  # padded entries get the same arithmetic; they are masked
+        if width > 1 and has_recurrent_layers(rows.target_cache):
+            keep_recurrent_states(rows.target_cache, width)  # each row keeps its own count (`commit`)
+        logits, features = target_forward(self.target, rows, tokens, new_valid, positions, self.layer_indices,
+                                          keep=width, feature_device=self.feature_device)
+        self._verified = features, positions
+        return logits
+
+    def commit(self, num_accepted: torch.LongTensor, accepted: list[int], width: int,
+               new_tokens: torch.LongTensor) -> None:
+        """The newest token and the accepted drafts become valid; rejected drafts and padding stay as holes, except
+        the trailing columns that no row kept: cropping those is a free slice and bounds the cache's growth. A
+        recurrent layer keeps no holes: each row takes its state after its kept entries. `accepted` is
+        `num_accepted` as read on the host; `new_tokens` holds the token after each kept entry."""
+        rows, (features, positions) = self.rows, self._verified
+        used = max(accepted) + 1
+        keep_states_after(rows.target_cache, num_accepted + 1, width)
+        if used < width:
+            crop_entries(rows.target_cache, width - used)
+        kept = torch.arange(used, device=rows.anchor.device)[None, :] < num_accepted[:, None] + 1
+        rows.target_valid = torch.cat([rows.target_valid, kept], dim=1)
+        rows.target_length = rows.target_length + num_accepted + 1
+        rows.stage_context(features, kept, positions, new_tokens, width=used)
+        self._verified = None
 
 
 def plain_step(target, rows: BatchRows) -> torch.Tensor:
@@ -209,38 +226,3 @@ def plain_step(target, rows: BatchRows) -> torch.Tensor:
     rows.target_valid = torch.cat([rows.target_valid, new_valid], dim=1)
     rows.target_length = rows.target_length + 1
     return logits[:, -1]
-
-
-def read_lengths(drafts: Drafts) -> tuple[list[int], list[list[float]]]:
-    """The round's first read of the device: each row's verified length, with the confidences of those slots."""
-    if drafts.confidences is None:
-        return drafts.lengths.tolist(), [[] for _ in range(drafts.lengths.shape[0])]
-    values = torch.cat([drafts.lengths[:, None].to(drafts.confidences.dtype), drafts.confidences], dim=1).tolist()
-    lengths = [int(row[0]) for row in values]
-    return lengths, [row[1 : 1 + length] for row, length in zip(values, lengths)]
-
-
-def with_suffix_drafts(drafts: Drafts, suffix_rows: dict[int, list[int]], num_rows: int, vocab_size: int,
-                       sampled: bool, device) -> Drafts:
-    """`drafts` with the suffix rows' proposals laid over them: their tokens, their lengths, and (when some row
-    samples) point-mass draft distributions, so rejection sampling accepts a token x with probability min(1, p(x)).
-    Built on the host and copied without waiting; nothing is read back."""
-    width = max(drafts.tokens.shape[1], max(len(tokens) for tokens in suffix_rows.values()))
-    host_tokens = torch.zeros(num_rows, width, dtype=torch.long)
-    host_lengths = torch.zeros(num_rows, dtype=torch.long)
-    is_suffix = torch.zeros(num_rows, dtype=torch.bool)
-    for row, tokens in suffix_rows.items():
-        host_tokens[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        host_lengths[row], is_suffix[row] = len(tokens), True
-    suffix_tokens = host_tokens.to(device, non_blocking=True)
-    is_suffix = is_suffix.to(device, non_blocking=True)
-    tokens = pad_to(drafts.tokens, width, 1)
-    tokens = torch.where(is_suffix[:, None], suffix_tokens, tokens)
-    lengths = torch.where(is_suffix, host_lengths.to(device, non_blocking=True), drafts.lengths)
-    probs = None
-    if sampled:
-        vocab = drafts.probs.shape[-1] if drafts.probs is not None else vocab_size
-        base = drafts.probs if drafts.probs is not None else torch.zeros(num_rows, 0, vocab, device=device)
-        probs = torch.where(is_suffix[:, None, None], one_hot_probs(suffix_tokens, vocab), pad_to(base, width, 1))
-    confidences = drafts.confidences
-    return Drafts(tokens, probs, lengths, confidences)

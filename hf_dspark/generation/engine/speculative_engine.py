@@ -36,10 +36,10 @@ import torch
 
 from ...models.modeling_dspark import DSparkDraftModel
 from ...policy.length_rule import DraftLengthRule
-from .rows import BatchRows, to_device
+from .rows import BatchRows
 from ..round.drafting import Drafts, draft_block, draft_input_block, emitted_drafts
 from ..round.verification import verify_drafts
-from ...policy.planner import DRAFTER
+from ..round.skeleton import speculative_round
 from ..call.plan import DraftingPlan
 from ...policy.remembered import hold_remembered_state
 from .eagle3 import row_drafter_for
@@ -47,8 +47,7 @@ from .checks import (check_drafter, check_eos, check_left_padded, check_parking,
                      checked_prompt, checked_sampling, engine_plan)
 from .requests import (BatchedOutput, EngineGate, EngineSnapshot, ParkedCache, Request, emit, eos_ids,
                               park_finished)
-from .passes import (commit_round, plain_step, prefill_grouped, prefill_resumed, project_context, read_lengths,
-                     verify_round, with_suffix_drafts)
+from .passes import EngineRows, plain_step, prefill_grouped, prefill_resumed, project_context
 from ..round.sampling import RowSampling, SamplingParams
 from ..round.stats import SpeculativeStats
 
@@ -158,7 +157,7 @@ class SpeculativeEngine:
             self.layer_indices, self.feature_device = drafter.target_hidden_state_indices, drafter.device
         self.target, self.drafter, self.plan = target, drafter, plan
         self._draft_rows = row_drafter_for(drafter) or _draft  # this drafter kind's pass, for all rows at once
-        self.round_policy = plan.round_policy(self.gamma, costs) if drafter is not None else None
+        self.round_policy = plan.round_policy(self.gamma, costs, self.rule) if drafter is not None else None
         self.policy, self.policy_arg = (plan.policy, plan.policy_arg) if plan is not None else ("all", None)
         self.generator = generator
         self.device = target.device
@@ -355,62 +354,27 @@ class SpeculativeEngine:
         return self._row_sampling(request_ids).plain_tokens(logits, self.generator)
 
     def _round(self) -> list[int]:
-        """One round for every running row, as the round planner decided from earlier rounds: some rows verify the
-        drafter's block, some a suffix match of their own text, the others only their anchor; a round without
-        drafter rows does not run the drafter. Retires and returns the requests it finished.
-
-        The device is read at most twice: the verified lengths (and confidences) when the drafter ran, then the
-        accepted counts and tokens."""
+        """One round for every running row (`round.skeleton.speculative_round`): some rows verify the drafter's block,
+        some a suffix match of their own text, the others only their anchor; a round without drafter rows does not
+        run the drafter. Retires and returns the requests it finished."""
         rows, request_ids = self._rows, self._rows.request_ids
         requests = [self._requests[r] for r in request_ids]
-        sampling = self._row_sampling(request_ids)
         # Every round emits at least one token, so a row drafts at most (tokens left - 1).
         budgets = [max(0, min(self.gamma, q.max_new_tokens - q.emitted - 1)) for q in requests]
-        plan = self.round_policy.plan(request_ids, requests, budgets, drafter_possible=max(budgets) > 0)
-        # A pass that catches up on more context than a round commits (the prompts of a batch that started
-        # together, or many plain rounds) costs what later rounds do not: not timed, as at batch 1.
-        draft_timed = rows.pending.shape[1] <= self.gamma + 1
-        drafts, lengths, confidences = self._proposals(plan, rows, sampling)
-        verification_started = self.round_policy.drafted()
-        width = max(lengths) + 1
-        new_tokens, num_accepted, features, positions = verify_round(
-            self.target, rows, drafts, width, self.layer_indices, sampling, self.generator, self.feature_device)
-        values = torch.cat([num_accepted[:, None], new_tokens], dim=1).tolist()  # the round's second read
-        accepted = [row[0] for row in values]
-        commit_round(rows, num_accepted, accepted, width, features, positions, new_tokens)
-        self.round_policy.record(plan, request_ids, lengths, accepted, width, verification_started, draft_timed,
-                                 confidences)
-
-        self.verified_tokens_per_round.append(sum(lengths) + len(rows))
+        round_rows = EngineRows(self.target, self.drafter, rows, self._draft_rows, self.layer_indices,
+                                self.feature_device)
+        outcome = speculative_round(round_rows, self.round_policy, request_ids, requests, budgets,
+                                    self._row_sampling(request_ids), self.generator, self.drafter.config.vocab_size)
+        round_rows.commit(outcome.num_accepted, outcome.accepted, outcome.width, outcome.new_tokens)
+        self.verified_tokens_per_round.append(sum(outcome.lengths) + len(rows))
         before = [request.emitted for request in requests]
-        done = emit(requests, [row[1:] for row in values], [count + 1 for count in accepted])
+        done = emit(requests, outcome.tokens, [count + 1 for count in outcome.accepted])
         for request, source, length, count, start, slot_confidences in zip(
-                requests, plan.sources, lengths, accepted, before, confidences):
+                requests, outcome.plan.sources, outcome.lengths, outcome.accepted, before, outcome.confidences):
             request.stats.record(length, emitted_drafts(count, request.emitted - start), slot_confidences, source)
         # A row that goes on emitted all its tokens, the last being the target's: the next anchor.
+        new_tokens, num_accepted = outcome.new_tokens, outcome.num_accepted
         return self._retire(done, lambda: new_tokens.gather(1, num_accepted[:, None]).squeeze(1))
-
-    def _proposals(self, plan, rows: BatchRows, sampling: RowSampling) -> tuple[Drafts, list[int], list]:
-        """The round's drafts as planned: the drafter's rows drafted (one pass for all rows, only when some row
-        drafts), the suffix rows' proposals laid over them. Returns (drafts, verified lengths on the host, per row
-        the confidences of its verified slots or None)."""
-        num_rows, device = len(rows), rows.anchor.device
-        if plan.use_drafter:
-            budgets = [length if source == DRAFTER else 0 for source, length in zip(plan.sources, plan.lengths)]
-            drafts = self._draft_rows(self.drafter, rows, to_device(budgets, device), max(budgets), self.rule,
-                                      sampling, self.generator)
-        else:  # the context stays queued for the drafter's next pass
-            drafts = Drafts.empty(num_rows, device)
-        suffix_rows = self.round_policy.suffix_rows(plan, rows.request_ids)
-        if suffix_rows:
-            drafts = with_suffix_drafts(drafts, suffix_rows, num_rows, self.drafter.config.vocab_size,
-                                        sampling.any_sampled, device)
-        if not plan.use_drafter:
-            return drafts, list(plan.lengths), [None] * num_rows
-        lengths, confidences = read_lengths(drafts)  # the round's first read
-        with_head = getattr(self.drafter, "confidence_proj", None) is not None
-        return drafts, lengths, [c if with_head and source == DRAFTER else None
-                                 for c, source in zip(confidences, plan.sources)]
 
     def _plain_round(self) -> list[int]:
         """Plain decoding: one target token per row, read once."""

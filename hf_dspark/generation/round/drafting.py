@@ -1,11 +1,19 @@
-"""The one drafting core of DSpark and DFlash drafters, for R rows at once (R = 1 in the batch-1 loop), and the one
-verification call of both loops.
+"""The drafting cores of every batch size (R rows at once; R = 1 in the batch-1 loop): the block core of DSpark,
+DFlash and DFlash 2 drafters (`draft_block`) and Eagle3's chain (`context_pass`, `draft_chain`).
 
-A round: the backbone's single pass gives every slot's hidden state and base logits; the sequential head then
+A block round: the backbone's single pass gives every slot's hidden state and base logits; the sequential head then
 walks the gamma slots, each correcting its logits with the token drawn at the slot before, picking a token through
 the user's processors (`sampling`), and producing a confidence c_k. All slots are drafted, then
 `DraftLengthRule` (policy) decides on the device how many each row verifies, from c_1..c_k alone: lossless,
-and no slot waits for the host. Nothing here reads a tensor back to the host.
+and no slot waits for the host.
+
+An Eagle3 context row t reads the target feature at t with the token at t + 1 and predicts the token at t + 2. A
+round runs one context pass over the rows committed since the drafter last ran (`context_pass`), then one drafter
+step per drafted token, each reading the token just drafted with the drafter's own previous output state
+(`draft_chain`); the drafted rows leave the drafter cache afterwards, so rejected tokens leave no trace. The batch-1
+loop passes no masks or positions (its cache has no holes); the engine's (`engine/eagle3.py`) does.
+
+Nothing here reads a tensor back to the host.
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ...models.layers import DraftContextCache
 from ...models.modeling_dspark import DSparkDraftModel
+from ...models.modeling_eagle3 import Eagle3DraftModel
 
 
 @dataclass
@@ -109,3 +119,63 @@ def one_hot_probs(tokens: torch.LongTensor, vocab_size: int) -> torch.Tensor:
     sampling then accepts token x with probability min(1, p(x))."""
     probs = torch.zeros(*tokens.shape, vocab_size, device=tokens.device)
     return probs.scatter_(-1, tokens[..., None], 1.0)
+
+
+def context_pass(drafter: Eagle3DraftModel, tokens: torch.LongTensor, features: torch.Tensor,
+                 cache: DraftContextCache, positions: torch.LongTensor | None = None,
+                 mask: torch.BoolTensor | None = None,
+                 newest: torch.LongTensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append context rows (`features` (R, M, F) with `tokens` (R, M), the token after each) to `cache`; returns
+    the logits (R, V) and output state (R, 1, H) of each row's newest context row: column `newest` (R,), or the
+    last row when None (batch 1). `positions` and `mask` None: right after the cached rows, causal."""
+    if newest is None:
+        out = drafter(input_ids=tokens, target_hidden_states=features, cache=cache)
+        return out.logits[:, -1], out.hidden_states[:, -1:]
+    # Only the newest rows' logits, picked by index: a boolean mask would read the device to count its rows.
+    newest = newest.to(features.device)  # the drafter's (`attach_target`)
+    picked = (torch.arange(newest.shape[0], device=newest.device), newest)
+    out = drafter(input_ids=tokens, target_hidden_states=features, position_ids=positions, attention_mask=mask,
+                  cache=cache, logits_mask=picked)
+    return out.logits, out.hidden_states[picked][:, None]
+
+
+def draft_chain(drafter: Eagle3DraftModel, logits: torch.Tensor, state: torch.Tensor, slots: int, sampling,
+                generator: torch.Generator | None, cache: DraftContextCache,
+                positions: torch.LongTensor | None = None,
+                context_valid: torch.BoolTensor | None = None) -> tuple[torch.LongTensor, torch.Tensor | None]:
+    """Draft `slots` tokens per row from the newest context row's `logits` and `state`: each slot's token goes
+    through the user's processors and the choice (`sampling`), then one drafter step reads it with the previous
+    state. The drafted rows are removed from `cache` afterwards.
+
+    Args:
+        positions: (R,) the position of each row's first step (its anchor's); None: right after the cached rows.
+        context_valid: (R, C) the cache's valid columns before the chain (the steps see those and themselves);
+            None: every column.
+
+    Returns:
+        (tokens (R, slots), the distributions sampled rows drew them from (R, slots, V), or None).
+    """
+    context_length = cache.get_seq_length()
+    num_rows = logits.shape[0]
+    tokens, probs = [], []
+    drafted = torch.zeros(num_rows, 0, dtype=torch.long, device=logits.device)
+    for slot in range(slots):
+        processed = sampling.process(drafter.to_target_vocab(logits.float()), drafted)
+        token, distribution = sampling.choose(processed, generator)
+        tokens.append(token)
+        if distribution is not None:
+            probs.append(distribution)
+        if slot + 1 == slots:
+            break
+        if not getattr(sampling, "context_free", True):
+            drafted = torch.stack(tokens, dim=1)  # only processors that read the context need it
+        kwargs = {}
+        if positions is not None:
+            valid = torch.cat([context_valid, context_valid.new_ones(num_rows, slot + 1)], dim=1)
+            kwargs = dict(position_ids=(positions + slot)[:, None], attention_mask=valid[:, None, None, :])
+        out = drafter(input_ids=token[:, None], hidden_states=state, cache=cache, **kwargs)
+        logits, state = out.logits[:, -1], out.hidden_states
+    cache.crop(context_length)  # drafted rows were built on the drafter's own states
+    if not tokens:
+        return drafted, None
+    return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None

@@ -57,7 +57,7 @@ from .route_checks import (  # noqa: F401  (names the routes' users and tests re
     refuse_other_decoding_methods,
     untested_release_message,
 )
-from .settings import PASSED_SETTINGS_KEY, SETTING_NAMES, call_settings
+from ..call.settings import PASSED_SETTINGS_KEY, SETTING_NAMES, call_settings
 
 # class -> the problems its installation found: installing is once per class and process, and so is the warning.
 _INSTALLED: dict[type, list[str]] = {}

@@ -1,6 +1,6 @@
 """Where a `generate()` call with an hf_dspark drafter goes: its checks and its one `DraftingPlan` first, then one
 prompt to the batch-1 loop (`one_prompt/loop.py`), several left-padded prompts to the batched engine
-(`call/batch.py`, `engine/`)."""
+(`routing/batch.py`, `engine/`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ...models.drafter_base import DraftPreTrainedModel
 from ..one_prompt.loop import decode_one_prompt
 from ..round.sampling import check_sampling_processors
 from .batch import batched_speculative_decoding
-from .plan import DraftingPlan
+from ..call.plan import DraftingPlan
 from ...policy.remembered import remembered_state
 from .request_checks import check_request
 

@@ -16,7 +16,7 @@ from .route_checks import (
     refuse_a_drafter_loaded_without_its_heads,
     refuse_other_decoding_methods,
 )
-from .settings import PASSED_SETTINGS_KEY, SETTING_NAMES, call_settings
+from ..call.settings import PASSED_SETTINGS_KEY, SETTING_NAMES, call_settings
 
 
 def _check_custom_generate_request(model, drafter: DraftPreTrainedModel, generation_config) -> None:

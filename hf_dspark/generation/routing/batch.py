@@ -23,8 +23,8 @@ from ...models.drafter_base import DraftPreTrainedModel
 from ...transformers_internals.accessors import pad_token_tensor
 from ..engine.speculative_engine import SpeculativeEngine, check_left_padded
 from ..engine.requests import BatchedOutput, eos_ids
-from .outputs import SpeculativeDecoderOnlyOutput
-from .plan import DraftingPlan
+from ..call.outputs import SpeculativeDecoderOnlyOutput
+from ..call.plan import DraftingPlan
 from .request_checks import BATCH_FIX
 from ..round.stats import SpeculativeStats
 from ..round.stopping import StopLimits
