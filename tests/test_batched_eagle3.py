@@ -157,7 +157,7 @@ def test_a_fixed_policy_bounds_the_chains(setup, k):
     hook = drafter.register_forward_hook(count, with_kwargs=True)
     try:
         engine = batched.SpeculativeEngine(target, drafter, "fixed", k)
-        assert engine.gamma == k
+        assert engine.draft_length == k
         for prompt in PROMPTS[:3]:
             engine.submit(prompt[0], MAX_NEW)
         engine.run_until_done()

@@ -216,10 +216,10 @@ def test_an_engine_built_without_settings_takes_the_drafters_defaults():
     drafter.generation_config.update(num_assistant_tokens=2, assistant_confidence_threshold=0.5,
                                      dspark_confidence_threshold_rule="per_slot")
     engine = SpeculativeEngine(target, drafter)
-    assert (engine.policy, engine.policy_arg, engine.rule.threshold_rule, engine.gamma) == \
+    assert (engine.policy, engine.policy_arg, engine.rule.threshold_rule, engine.draft_length) == \
         ("threshold", 0.5, "per_slot", 2)
     explicit = SpeculativeEngine(target, drafter, "all", threshold_rule="cumulative", draft_length=3)
-    assert (explicit.policy, explicit.rule.threshold_rule, explicit.gamma) == ("all", "cumulative", 3)
+    assert (explicit.policy, explicit.rule.threshold_rule, explicit.draft_length) == ("all", "cumulative", 3)
 
 
 def test_a_cost_table_given_as_a_path_is_saved_as_the_table_itself(tmp_path):

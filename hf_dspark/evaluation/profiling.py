@@ -104,7 +104,7 @@ def _synchronize(devices) -> None:
 
 
 def _drafting_round(drafter, target, prefix):
-    from ..models.identity import BLOCK_DRAFTER_TYPE, drafter_type
+    from ..models.identity import BLOCK_DRAFTER_TYPE, drafting_core
     from ..models.layers import DraftContextCache
 
     drafter.attach_target(target, follow=True)  # timed as generation runs it: beside the LM head, in its dtype
@@ -116,7 +116,7 @@ def _drafting_round(drafter, target, prefix):
 
     def run():
         cache = DraftContextCache()
-        if drafter_type(drafter) == BLOCK_DRAFTER_TYPE:  # the block generation drafts from: anchor, then masks
+        if drafting_core(drafter) == BLOCK_DRAFTER_TYPE:  # the block generation drafts from: anchor, then masks
             block = draft_input_block(prefix[:, -1], drafter.config)
             drafter(input_ids=block, target_hidden_states=features, cache=cache)
         else:

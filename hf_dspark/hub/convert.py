@@ -53,7 +53,7 @@ from transformers.utils import logging
 
 from ..models.errors import DrafterLoadError, DrafterTargetMismatchError, UserInputError
 from ..models.identity import (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, OWN_DRAFTER_TYPES, drafter_kind,
-                               drafter_type)
+                               drafting_core)
 from ..models.target_info import EMBEDDING_OUTPUT, target_text_config
 from ..models.modeling_dspark import DSparkDraftModel
 from ..models.modeling_eagle3 import Eagle3DraftModel
@@ -206,7 +206,7 @@ def export_deepspec(drafter: DSparkDraftModel | Eagle3DraftModel, folder: str | 
     when absent, except for a draft vocabulary's LM head). A DFlash drafter gets a rank-1, all-zero vanilla Markov
     head (numerically the same drafter), which SGLang requires and which makes llama.cpp read its slots the right
     way."""
-    kind = drafter_type(drafter)
+    kind = drafting_core(drafter)
     if kind not in (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE):
         raise ValueError(f"DeepSpec's layouts hold DSpark/DFlash and Eagle3 drafters, not {type(drafter).__name__}")
     if drafter_kind(drafter.config) == "dflash2":
@@ -374,7 +374,7 @@ def deepspec_config(drafter: DSparkDraftModel | Eagle3DraftModel, target=None) -
             {**rope, "type": rope["rope_type"]}
     common["attention_bias"] = config.attention_bias
     common["torch_dtype"] = str(next(drafter.parameters()).dtype).replace("torch.", "")
-    if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
+    if drafting_core(drafter) == EAGLE3_DRAFTER_TYPE:
         fields = {"architectures": [architecture], "ttt_length": config.block_size,
                   "draft_num_hidden_layers": config.num_hidden_layers,
                   # vLLM's eagle3 reads the capture indices (HF hidden_states indices: layer id + 1).

@@ -8,16 +8,18 @@ EAGLE3_DRAFTER_TYPE = "eagle3_draft"
 """`model_type` of Eagle3 drafters (`Eagle3DraftConfig`)."""
 DFLASH2_DRAFTER_TYPE = "dflash2_draft"
 """`model_type` of DFlash 2 drafters (`DFlash2DraftConfig`): the DFlash backbone with per-layer convolutions and a
-candidate selector. It drafts through the block path (`drafter_type` gives `BLOCK_DRAFTER_TYPE`)."""
+candidate selector. It drafts through the block path (`drafting_core` gives `BLOCK_DRAFTER_TYPE`)."""
 OWN_DRAFTER_TYPES = (BLOCK_DRAFTER_TYPE, EAGLE3_DRAFTER_TYPE, DFLASH2_DRAFTER_TYPE)
 """Every `model_type` hf_dspark's own drafter folders (`save_pretrained`, `hf-dspark train`) carry."""
 
 
-def drafter_type(model) -> str | None:
-    """How a drafter drafts: `BLOCK_DRAFTER_TYPE` (one backbone pass over a block, then slot by slot: DSpark, DFlash
-    and DFlash 2), `EAGLE3_DRAFTER_TYPE` (a chain of steps) or None (no hf_dspark drafter). Read from the config
-    rather than the class so that a drafter loaded with `trust_remote_code=True` (another copy of our classes) is
-    recognised too. What a drafter holds (for exports) is `drafter_kind`'s."""
+def drafting_core(model) -> str | None:
+    """Which drafting core runs a drafter (`generation/round/drafting.py`), named by the `model_type` of its
+    family: `BLOCK_DRAFTER_TYPE` (one backbone pass over a block, then slot by slot: DSpark, DFlash and DFlash 2),
+    `EAGLE3_DRAFTER_TYPE` (a chain of steps) or None (no hf_dspark drafter). Read from the config rather than the
+    class so that a drafter loaded with `trust_remote_code=True` (another copy of our classes) is recognised too.
+    Which algorithm a drafter is (`dspark`, `dflash`, `dflash2`, `eagle3`: what `--kind` trains and exports name)
+    is `drafter_kind`'s."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type == DFLASH2_DRAFTER_TYPE:
         return BLOCK_DRAFTER_TYPE
@@ -37,4 +39,4 @@ def drafter_kind(config) -> str | None:
 
 
 __all__ = ["BLOCK_DRAFTER_TYPE", "DFLASH2_DRAFTER_TYPE", "EAGLE3_DRAFTER_TYPE", "OWN_DRAFTER_TYPES", "drafter_kind",
-           "drafter_type"]
+           "drafting_core"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserInputError
-from .identity import OWN_DRAFTER_TYPES, drafter_type
+from .identity import OWN_DRAFTER_TYPES, drafting_core
 from .saved_config import read_folder_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -220,6 +220,6 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None, device: str | torc
     # No safetensors_only here: every reader AutoDrafter dispatches to (our classes' from_pretrained, each format's
     # read_checkpoint_tensors) checks the weight files before reading them.
     model = _from_pretrained(AutoDrafter.from_pretrained, str(path), "drafter", **options).eval()
-    if drafter_type(model) is None:
+    if drafting_core(model) is None:
         raise UserInputError(f"{path} holds a {type(model).__name__}, not an hf_dspark drafter; pass a drafter.")
     return model if device is None else model.to(resolve_device(device))

@@ -45,9 +45,9 @@ class DraftLengthRule:
             raise ValueError(f"threshold_rule must be one of {CONFIDENCE_THRESHOLD_RULES}, got {threshold_rule!r}.")
         self.policy, self.policy_arg, self.threshold_rule = policy, policy_arg, threshold_rule
 
-    def max_slots(self, gamma: int) -> int:
-        """Slots worth drafting at all."""
-        return min(gamma, self.policy_arg) if self.policy == "fixed" else gamma
+    def max_draft_length(self, draft_length: int) -> int:
+        """Of `draft_length` drafts a round may propose, those worth drafting at all (a fixed rule verifies no more)."""
+        return min(draft_length, self.policy_arg) if self.policy == "fixed" else draft_length
 
     def lengths(self, confidences: torch.Tensor | None, budget: torch.LongTensor) -> torch.LongTensor:
         """confidences (R, G) (None without a confidence head), budget (R,) slots drafted per row -> (R,)."""

@@ -43,7 +43,7 @@ class RoundPolicy:
     """A loop's policy: `plan` before each round, `record` after it (see the module).
 
     Args:
-        slots: the most tokens a row proposes in a round.
+        draft_length: the most tokens a row proposes in a round.
         planning: False drafts every row's whole budget every round (`dspark_round_planning=False`).
         suffix_acceptance: what suffix proposals achieve (None: no suffix drafting).
         drafter_acceptance: what the drafter's slots achieve, learnt into (a `DraftingState`'s, so later calls
@@ -57,13 +57,14 @@ class RoundPolicy:
             (None: every planned slot).
     """
 
-    def __init__(self, slots: int, *, planning: bool, costs: CostModel,
+    def __init__(self, draft_length: int, *, planning: bool, costs: CostModel,
                  suffix_acceptance: SuffixAcceptance | None = None, drafter_acceptance: SlotAcceptance | None = None,
                  seed: int = 0, calibration: ConfidenceShift | None = None, clock=None,
                  rule: DraftLengthRule | None = None):
-        self.slots, self.planning, self.costs, self.suffix_acceptance = slots, planning, costs, suffix_acceptance
-        self.acceptance = drafter_acceptance if drafter_acceptance is not None else SlotAcceptance.empty(slots)
-        self.acceptance.cover(slots)
+        self.draft_length, self.planning = draft_length, planning
+        self.costs, self.suffix_acceptance = costs, suffix_acceptance
+        self.acceptance = drafter_acceptance if drafter_acceptance is not None else SlotAcceptance.empty(draft_length)
+        self.acceptance.cover(draft_length)
         self.rng, self.calibration = random.Random(seed), calibration
         self.rule = rule if rule is not None else DraftLengthRule()
         self.clock = clock if clock is not None else time.perf_counter

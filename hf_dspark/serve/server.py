@@ -36,7 +36,7 @@ def build_state(target, tokenizer, drafter=None, *, model_name: str, max_running
     if drafter is not None:  # seeded sampled requests, if the drafter engine takes no generators of their own
         def plain():
             return SpeculativeEngine(target, None, generator=_random_generator(device))
-    positions = getattr(engine, "gamma", 0) if drafter is not None else 0
+    positions = getattr(engine, "draft_length", 0) if drafter is not None else 0
     metrics = ServerMetrics(model_name, positions)
     worker = EngineWorker(engine, max_running=max_running, max_queued=max_queued, plain_engine=plain, metrics=metrics)
     metrics.watch(worker)

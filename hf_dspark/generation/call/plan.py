@@ -86,11 +86,11 @@ class DraftingPlan:
             costs = self.state.round_costs[key] = CostModel(settings.cost_table, learn)
         return costs
 
-    def round_policy(self, slots: int, costs: CostModel, rule: DraftLengthRule | None = None) -> RoundPolicy:
-        """The policy of a loop of any batch size drafting up to `slots` tokens per row, learning into the call's
-        state and `costs`; `rule` (the loop's `length_rule`) decides after drafting."""
+    def round_policy(self, draft_length: int, costs: CostModel, rule: DraftLengthRule | None = None) -> RoundPolicy:
+        """The policy of a loop of any batch size drafting up to `draft_length` tokens per row, learning into the
+        call's state and `costs`; `rule` (the loop's `length_rule`) decides after drafting."""
         settings, statistics = self.settings, self.state.statistics
-        return RoundPolicy(slots, planning=settings.round_planning, costs=costs,
+        return RoundPolicy(draft_length, planning=settings.round_planning, costs=costs,
                            suffix_acceptance=statistics.suffix if settings.round_planning and settings.suffix_drafting
                            else None, drafter_acceptance=statistics.drafter, calibration=self.state.confidence_shift,
                            rule=rule)

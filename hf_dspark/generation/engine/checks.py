@@ -9,7 +9,7 @@ import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper
 
 from ...models.errors import UserInputError
-from ...models.identity import drafter_type
+from ...models.identity import drafting_core
 from ...transformers_internals.cache_layers import attention_layer_types, growing_cache
 from ...transformers_internals.recurrent_states import unkept_states_message
 from .requests import ParkedCache
@@ -61,7 +61,7 @@ def engine_plan(drafter, policy, policy_arg, threshold_rule, draft_length) -> Dr
 def check_drafter(target, drafter) -> None:
     """Refuse what the engine cannot run, before any work: drafters that are not hf_dspark's, targets it cannot
     batch."""
-    if drafter_type(drafter) is None:
+    if drafting_core(drafter) is None:
         raise ValueError(
             f"Batched speculative decoding runs hf_dspark drafters (DSparkDraftModel, Eagle3DraftModel), got "
             f"{type(drafter).__name__}."

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...models.identity import EAGLE3_DRAFTER_TYPE, drafter_type
+from ...models.identity import EAGLE3_DRAFTER_TYPE, drafting_core
 from ...models.modeling_eagle3 import Eagle3DraftModel
 from ...policy.length_rule import DraftLengthRule
 from .rows import BatchRows
@@ -71,7 +71,7 @@ def project_queued(drafter: Eagle3DraftModel, rows: BatchRows) -> None:
 
 def row_drafter_for(drafter):
     """The engine's drafting pass for `drafter` when it is an Eagle3 drafter (`draft_rows`), else None."""
-    return draft_rows if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE else None
+    return draft_rows if drafting_core(drafter) == EAGLE3_DRAFTER_TYPE else None
 
 
 __all__ = ["context_mask", "draft_rows", "project_queued", "row_drafter_for"]

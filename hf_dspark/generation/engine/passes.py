@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ...models.identity import EAGLE3_DRAFTER_TYPE, drafter_type
+from ...models.identity import EAGLE3_DRAFTER_TYPE, drafting_core
 from ...models.layers import DraftContextCache
 from ...models.modeling_dspark import DSparkDraftModel
 from ...models.modeling_eagle3 import Eagle3DraftModel
@@ -158,7 +158,7 @@ def project_context(drafter: DSparkDraftModel | Eagle3DraftModel, rows: BatchRow
     """
     if rows.pending.shape[1] == 0:
         return
-    if drafter_type(drafter) == EAGLE3_DRAFTER_TYPE:
+    if drafting_core(drafter) == EAGLE3_DRAFTER_TYPE:
         return project_queued(drafter, rows)
     drafter.cache_context(rows.pending, rows.pending_positions, rows.draft_cache)
     rows.draft_valid = torch.cat([rows.draft_valid, rows.pending_valid], dim=1)

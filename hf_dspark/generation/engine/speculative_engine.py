@@ -142,7 +142,7 @@ class SpeculativeEngine:
                 raise ValueError("an engine without a drafter verifies no drafts: leave policy, draft_length and "
                                  "plan unset, or pass the drafter.")
             check_target(target)
-            self.rule, self.gamma, self.layer_indices, self.feature_device = None, 0, (), None
+            self.rule, self.draft_length, self.layer_indices, self.feature_device = None, 0, (), None
         else:
             check_drafter(target, drafter)
             # generate()'s call passes its plan down unchanged (with the call's state); an engine built directly makes
@@ -152,12 +152,12 @@ class SpeculativeEngine:
                                                                                  threshold_rule, draft_length))
             costs = plan.cost_model()
             self.rule = plan.length_rule(costs)
-            self.gamma = self.rule.max_slots(plan.draft_length)
+            self.draft_length = self.rule.max_draft_length(plan.draft_length)
             drafter.attach_target(target, follow=True)  # beside the target's LM head, in its dtype
             self.layer_indices, self.feature_device = drafter.target_hidden_state_indices, drafter.device
         self.target, self.drafter, self.plan = target, drafter, plan
         self._draft_rows = row_drafter_for(drafter) or _draft  # this drafter kind's pass, for all rows at once
-        self.round_policy = plan.round_policy(self.gamma, costs, self.rule) if drafter is not None else None
+        self.round_policy = plan.round_policy(self.draft_length, costs, self.rule) if drafter is not None else None
         self.policy, self.policy_arg = (plan.policy, plan.policy_arg) if plan is not None else ("all", None)
         self.generator = generator
         self.device = target.device
@@ -360,7 +360,7 @@ class SpeculativeEngine:
         rows, request_ids = self._rows, self._rows.request_ids
         requests = [self._requests[r] for r in request_ids]
         # Every round emits at least one token, so a row drafts at most (tokens left - 1).
-        budgets = [max(0, min(self.gamma, q.max_new_tokens - q.emitted - 1)) for q in requests]
+        budgets = [max(0, min(self.draft_length, q.max_new_tokens - q.emitted - 1)) for q in requests]
         round_rows = EngineRows(self.target, self.drafter, rows, self._draft_rows, self.layer_indices,
                                 self.feature_device)
         outcome = speculative_round(round_rows, self.round_policy, request_ids, requests, budgets,

@@ -33,8 +33,8 @@ def decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, ge
     stats, clock = SpeculativeStats(), PhaseClock(drafter.device, plan.settings.time_phases)
     costs = plan.cost_model(timed=clock.enabled)
     rule = plan.length_rule(costs)
-    gamma = rule.max_slots(plan.draft_length)
-    policy = plan.round_policy(gamma, costs, rule)
+    draft_length = rule.max_draft_length(plan.draft_length)
+    policy = plan.round_policy(draft_length, costs, rule)
     cache = model_kwargs["cache"]
     runner = target_runner_for(target, cache, generation_config, drafter.target_hidden_state_indices,
                                plan.num_draft_slots, plan.settings.cost_table)
@@ -64,7 +64,7 @@ def decode_one_prompt(target, input_ids, logits_processor, stopping_criteria, ge
         if finished:
             break
         sampling.sequence = sequence
-        budget = max(0, min(gamma, generation_config.max_length - sequence.shape[1] - 1))
+        budget = max(0, min(draft_length, generation_config.max_length - sequence.shape[1] - 1))
         outcome = speculative_round(rows, policy, [0], [text], [budget], sampling, None,
                                     drafter.config.vocab_size)
         new_tokens, emitted = outcome.new_tokens, outcome.tokens[0][: outcome.accepted[0] + 1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...models.identity import EAGLE3_DRAFTER_TYPE, drafter_type
+from ...models.identity import EAGLE3_DRAFTER_TYPE, drafting_core
 from ...models.layers import DraftContextCache
 from ..round.drafting import Drafts, context_pass, draft_block, draft_chain, draft_input_block
 from ..round.stats import PhaseClock, SpeculativeStats
@@ -27,7 +27,7 @@ class OnePromptRows:
                  stats: SpeculativeStats):
         self.drafter, self.runner, self.sequence, self.cost_table = drafter, runner, sequence, cost_table
         self.clock, self.stats = clock, stats
-        self.eagle3 = drafter_type(drafter) == EAGLE3_DRAFTER_TYPE
+        self.eagle3 = drafting_core(drafter) == EAGLE3_DRAFTER_TYPE
         self.cache = DraftContextCache()
         self.context_length = 0  # sequence positions whose target features are in the drafter cache
         self.observed_length = 0  # sequence positions whose target features were taken from a target forward

@@ -74,7 +74,7 @@ def speculative_round(rows: RoundRows, policy: RoundPolicy, request_ids: list[in
     plan = policy.plan(request_ids, texts, budgets, drafter_possible=max(budgets, default=0) > 0)
     # A pass that catches up on more context than a round commits (a prompt, or many plain rounds) costs what later
     # rounds do not: not timed.
-    draft_timed = rows.queued_context() <= policy.slots + 1
+    draft_timed = rows.queued_context() <= policy.draft_length + 1
     drafts, lengths, confidences = _proposals(rows, plan, policy, request_ids, sampling, generator, vocab_size)
     verification_started = policy.drafted()
     width = max(lengths) + 1

@@ -14,7 +14,7 @@ from ..._version import __version__
 from ...models.drafter_base import DraftPreTrainedModel
 from ...models.errors import UserInputError
 from ...models.formats import layout_name
-from ...models.identity import drafter_type
+from ...models.identity import drafting_core
 from ...transformers_internals.accessors import config_name_or_path
 
 # The transformers releases the tests have passed on: the oldest and the newest are the ends of the range below,
@@ -35,10 +35,10 @@ class TransformersCompatibilityError(UserInputError):
 
 def as_drafter(assistant) -> DraftPreTrainedModel | None:
     """Our drafter behind `assistant` (itself, or the base model of a PEFT/LoRA wrapper), else None."""
-    if drafter_type(assistant) is not None:  # also our classes loaded as remote code
+    if drafting_core(assistant) is not None:  # also our classes loaded as remote code
         return assistant
     base = assistant.get_base_model() if hasattr(assistant, "get_base_model") else None
-    return base if drafter_type(base) is not None else None
+    return base if drafting_core(base) is not None else None
 
 
 # ------------------------------------------------------------------------------------------------------------------
