@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import prompts, tiny_drafter, tiny_target  # noqa: E402  (the test suite's tiny models)
+from factories import prompts, tiny_drafter, tiny_target  # noqa: E402  (the test suite's tiny models)
 
 import hf_dspark  # noqa: E402
 from hf_dspark.evaluation.host_syncs import HostSyncCounter  # noqa: E402

@@ -1,106 +1,13 @@
-"""Tiny randomly initialised targets of three families (and two hybrid ones) and drafters for them (float32 for exact
-identity), and the devices the lossless tests run on."""
+"""The fixtures every test may ask for (the target families, the devices the lossless tests run on, the Hub
+tokenizer, saved chat models, training data and disks) and the `--drafter-cost-factor` audit. The factories they and
+the tests build from are `factories.py`'s."""
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Lfm2Config, Lfm2ForCausalLM,
-                          Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM)
 
-import hf_dspark
-
-VOCAB = 96
-
-
-def tiny_target(family: str, vocab_size: int = VOCAB, seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,
-        initializer_range=0.2,
-    )
-    common.update(overrides)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
-    elif family == "gemma3":
-        config = Gemma3TextConfig(
-            head_dim=16,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            **common,
-        )
-        model = Gemma3ForCausalLM(config)
-    elif family == "qwen3_5":  # hybrid: gated DeltaNet (recurrent + convolution state) and full attention layers
-        config = Qwen3_5TextConfig(
-            head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_conv_kernel_dim=4, **common,
-        )
-        model = Qwen3_5ForCausalLM(config)
-    elif family == "lfm2":  # hybrid: short convolutions (convolution state) and full attention layers
-        model = Lfm2ForCausalLM(Lfm2Config(layer_types=["conv", "full_attention", "conv", "full_attention"],
-                                           conv_L_cache=3, **common))
-    else:
-        raise ValueError(family)
-    return model.eval()
-
-
-def tiny_drafter(target, kind: str = "markov", block_size: int = 4, seed: int = 1, **overrides):
-    """kind: markov | gated | rnn | dflash | dflash2 | eagle3."""
-    torch.manual_seed(seed)
-    if kind == "eagle3":
-        config = hf_dspark.Eagle3DraftConfig.from_target_config(target.config, block_size=block_size, **overrides)
-        return hf_dspark.Eagle3DraftModel(config).eval()
-    if kind == "dflash2":
-        # 3 candidates per slot: fewer than even the 6-token vocabulary of the sampling tests, so the selector's q
-        # leaves tokens out and rejection sampling must produce them from the residual.
-        overrides = {"selector_rank": 8, "selector_top_k": 3, "conv_kernel_size": 3, **overrides}
-        config = hf_dspark.DFlash2DraftConfig.from_target_config(target.config, num_hidden_layers=2,
-                                                                 block_size=block_size, **overrides)
-        return hf_dspark.DFlash2DraftModel(config).eval()
-    if kind == "dflash":
-        config = hf_dspark.build_dflash_config(target.config, num_hidden_layers=2, block_size=block_size, **overrides)
-    else:
-        overrides.setdefault("confidence_head", True)
-        config = hf_dspark.DSparkDraftConfig.from_target_config(
-            target.config, num_hidden_layers=2, block_size=block_size, markov_head=kind, markov_rank=16, **overrides
-        )
-    return hf_dspark.DSparkDraftModel(config).eval()
-
-
-def hub_snapshot(cache, repo_id: str, folder, linked=None):
-    """`folder` laid out as huggingface_hub caches `repo_id`: the files named in `linked` (every file: None) stored
-    in the repo's blobs/ with a snapshot link to each, the others copied into the snapshot. Returns the snapshot."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    (repo / "blobs").mkdir()
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for file in folder.iterdir():
-        if file.is_file() and (linked is None or file.name in linked):
-            (repo / "blobs" / file.name).write_bytes(file.read_bytes())
-            (snapshot / file.name).symlink_to(f"../../blobs/{file.name}")
-        elif file.is_file():
-            (snapshot / file.name).write_bytes(file.read_bytes())
-    return snapshot
-
-
-def prompts(count: int, length: int = 6, vocab_size: int = VOCAB, seed: int = 123, device="cpu"):
-    """Drawn on the CPU from `seed` (the same prompts on every device), then moved to `device`."""
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab_size, (1, length + i % 3), generator=generator).to(device) for i in range(count)]
-
+from layout_fixtures import write_layout_folders
+from saved_chat_models import save_chat_target_and_drafters
+from training_helpers import InterruptibleChild, SmallDisk
 
 @pytest.fixture(params=["llama", "qwen3", "gemma3"])
 def family(request):
@@ -146,3 +53,45 @@ def _skewed_drafter_costs(request, monkeypatch):
             return recorded(self, plan, request_ids, lengths, accepted, width, verification_started, *args, **kwargs)
         monkeypatch.setattr(RoundPolicy, "record", skewed)
     yield
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """Makes `SmallDisk`s under tmp_path (name, size in bytes), unmounted after the test."""
+    disks = []
+
+    def make(name: str, size: int) -> SmallDisk:
+        disks.append(SmallDisk(tmp_path / name, size))
+        return disks[-1]
+
+    yield make
+    for disk in disks:
+        disk.close()
+
+
+@pytest.fixture
+def interruptible_child(tmp_path):
+    """An `InterruptibleChild`, killed after the test if it still runs."""
+    child = InterruptibleChild(tmp_path)
+    yield child
+    child.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """SmolLM2's tokenizer, from the embedded default target (materialises its cached copy once)."""
+    from hf_dspark.targets.default_target import load_default_target
+
+    return load_default_target()[1]
+
+
+@pytest.fixture(scope="module")
+def saved_pair(tmp_path_factory, tokenizer):
+    """A tiny chat target and a DSpark drafter for it saved to disk (`target/`, `drafter/`), for the CLI tests."""
+    return save_chat_target_and_drafters(tmp_path_factory.mktemp("pair"), tokenizer, {"drafter": "markov"})
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A tiny, loadable drafter folder in each layout hf_dspark reads."""
+    return write_layout_folders(tmp_path_factory.mktemp("layouts"))

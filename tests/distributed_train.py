@@ -1,4 +1,4 @@
-"""A few `DSparkTrainer` steps on a tiny Llama target, run by tests/test_distributed.py in one process or under
+"""A few `DSparkTrainer` steps on a tiny Llama target, run by tests/training/test_distributed.py in one process or under
 `accelerate launch --num_processes 2` (CPU, gloo; DDP or FSDP2). Writes the logged losses (`losses.json`) and the
 trained drafter's full state dict (`drafter.safetensors`) from the main process.
 
@@ -18,7 +18,7 @@ from torch.utils.data import SequentialSampler
 from transformers import TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import tiny_drafter, tiny_target  # noqa: E402
+from factories import tiny_drafter, tiny_target  # noqa: E402
 
 from hf_dspark.training import DSparkTrainer  # noqa: E402
 

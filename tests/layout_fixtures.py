@@ -6,11 +6,15 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
+from transformers import Qwen3Config
 from safetensors.torch import save_file
 
 from hf_dspark import DraftContextCache
-from conftest import tiny_target
+from hf_dspark.hub.convert import export_deepspec
+from hf_dspark.hub.export_speculators import export_speculators
+from factories import tiny_drafter, tiny_target
 
 
 def write_checkpoint(folder: Path, config: dict, tensors: dict) -> Path:
@@ -105,3 +109,30 @@ def assert_cache_context_matches_forward(drafter, features: torch.Tensor) -> Non
         after_drafting = drafter(input_ids=follow, position_ids=follow_positions, cache=drafted).base_logits
         after_caching = drafter(input_ids=follow, position_ids=follow_positions, cache=only).base_logits
     assert torch.equal(after_drafting, after_caching)
+
+
+def zlab_folder(folder):
+    """A z-lab DFlash drafter saved by z-lab's own class (skips where the `dflash` package is missing)."""
+    dflash = pytest.importorskip("dflash")
+    torch.manual_seed(3)
+    config = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         num_target_layers=4, architectures=["DFlashDraftModel"],
+                         dflash_config={"mask_token_id": 5, "target_layer_ids": [0, 2], "block_size": 4})
+    dflash.DFlashDraftModel(config).eval().save_pretrained(folder)  # z-lab's own class and save
+
+
+def write_layout_folders(root):
+    """A tiny, loadable drafter folder in each layout hf_dspark reads (`LAYOUTS` of test_config_validation), under
+    `root`; returns `root`."""
+    target = tiny_target("qwen3")
+    dspark, eagle3 = tiny_drafter(target, "markov"), tiny_drafter(target, "eagle3")
+    dspark.save_pretrained(root / "own_dspark")
+    eagle3.save_pretrained(root / "own_eagle3")
+    export_deepspec(dspark, root / "deepspec_dspark")
+    export_deepspec(tiny_drafter(target, "eagle3", target_layer_ids=[0, 1, 2]), root / "deepspec_eagle3",
+                    target=target)  # with the stored embedding and LM head DeepSpec keeps
+    export_speculators(dspark, root / "speculators_dspark")
+    export_speculators(eagle3, root / "speculators_eagle3", target=target)
+    zlab_folder(root / "zlab")
+    return root

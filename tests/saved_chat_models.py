@@ -1,9 +1,17 @@
 """A tiny random chat target and drafters saved to disk with a real tokenizer, for the command-line tests."""
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import tiny_drafter
-from test_regeneration import tiny_chat_target
+from factories import tiny_drafter
+
+
+def tiny_chat_target(tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    return LlamaForCausalLM(config).eval()
 
 
 def save_chat_target_and_drafters(folder, tokenizer, drafters: dict[str, str]):

@@ -154,8 +154,8 @@ main() {
                 # Every test that runs on CUDA: the device-parametrised lossless and batched sliding-window tests, and the
                 # GPU-only ones (a drafter following a GPU target, a target split over devices, flash attention).
                 local tests=(-v -rs -p no:cacheprovider -k "cuda or gpu_target or split_over_devices or flash_attention"
-                             tests/test_greedy_identity.py tests/test_sampling_lossless.py tests/test_batched_sliding_window.py
-                             tests/test_devices.py tests/test_bad_input.py tests/test_batched_attention_kinds.py)
+                             tests/lossless/test_greedy_identity.py tests/lossless/test_sampling_lossless.py tests/engine/test_batched_sliding_window.py
+                             tests/lossless/test_devices.py tests/layouts/test_bad_input.py tests/engine/test_batched_attention_kinds.py)
                 # The tests are tiny and bound by kernel launches: several workers share the GPU (pytest-xdist is
                 # on the GPU image); each runs torch on one thread.
                 local workers=()

@@ -8,7 +8,7 @@
 * `routing/` (the top): the hooks that take a `generate()` call (`integration`, `custom_generate`), its checks, and
   `dispatch` (one prompt to the batch-1 loop, several to the engine).
 
-Each imports only those listed before it (`tests/test_layering.py`).
+Each imports only those listed before it (`tests/project/test_layering.py`).
 """
 
 from .engine.speculative_engine import BatchedOutput, SpeculativeEngine

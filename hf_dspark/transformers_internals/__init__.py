@@ -2,7 +2,7 @@
 each with a check that the installed release still behaves as relied on, pinned by the tests on both ends of the
 supported range (CI runs them on the oldest release, `scripts/test_transformers_range.sh` on any other). Code outside
 this package calls these functions and touches no private transformers attribute, method or module itself
-(tests/test_transformers_internals.py walks the source to hold that).
+(tests/coexistence/test_transformers_internals.py walks the source to hold that).
 
 The package sits below every other hf_dspark package (it imports none of them), so the drafter models can use it too.
 
@@ -21,7 +21,7 @@ Modules, the private names each touches, and why:
 * `generate_hooks`: `GenerationMixin._assisted_decoding`, `_validate_generation_mode` and
   `_extract_generation_mode_kwargs`, replaced at class level to route `generate(..., assistant_model=<drafter>)`;
   each wrapper keeps the method it replaced as `_hf_dspark_stock`. Checked by `signature_problems` (at import, and
-  pinned by tests/test_integration.py).
+  pinned by tests/coexistence/test_integration.py).
 * `accessors`: `generation_config._pad_token_tensor`, which `_prepare_special_tokens` writes (`pad_token_tensor`),
   `config._attn_implementation` (`attention_implementation`), `_supports_logits_to_keep()`
   (`supports_logits_to_keep`), `_valid_auto_compile_criteria(...)` (`generate_would_compile`),

@@ -1,6 +1,6 @@
 """One named function per private attribute or method of transformers' models and configs that hf_dspark reads,
 with the check that the installed release still has them (`accessor_problems`, pinned by
-tests/test_transformers_internals.py on both ends of the supported range).
+tests/coexistence/test_transformers_internals.py on both ends of the supported range).
 
 What is relied on (transformers 5.24 and 5.25):
 

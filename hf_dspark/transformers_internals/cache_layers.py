@@ -1,5 +1,5 @@
 """Every use hf_dspark's decoding makes of transformers' cache internals, in one place, with the check that they
-still hold (`internals_problems`, pinned by tests/test_transformers_internals.py). Code outside this package reaches
+still hold (`internals_problems`, pinned by tests/coexistence/test_transformers_internals.py). Code outside this package reaches
 a cache's layers through `cache_layers`, never `cache.layers` itself.
 
 What is relied on (transformers 5.24):
@@ -368,4 +368,4 @@ def _static_problems(static_class, generation_class) -> list[str]:
 def incompatibility_message(problems: list[str]) -> str:
     return (f"hf_dspark's cache handling (hf_dspark/transformers_internals/cache_layers.py) is written for {SUPPORTED}; "
             f"the installed transformers differs: {'; '.join(problems)}. Install {SUPPORTED}, or update that module "
-            "and its pin test (tests/test_transformers_internals.py).")
+            "and its pin test (tests/coexistence/test_transformers_internals.py).")

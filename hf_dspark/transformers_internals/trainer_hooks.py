@@ -1,5 +1,5 @@
 """The private `Trainer` methods hf_dspark's training overrides or calls, behind public names, with the check that the
-installed release still has them (`trainer_problems`, pinned by tests/test_transformers_internals.py).
+installed release still has them (`trainer_problems`, pinned by tests/coexistence/test_transformers_internals.py).
 
 What is relied on (transformers 5.24 and 5.25):
 

@@ -18,7 +18,7 @@ from ...models.identity import drafting_core
 from ...transformers_internals.accessors import config_name_or_path
 
 # The transformers releases the tests have passed on: the oldest and the newest are the ends of the range below,
-# which pyproject.toml declares (tests/test_dependency_range.py keeps the three in step). A newer release joins only
+# which pyproject.toml declares (tests/coexistence/test_dependency_range.py keeps the three in step). A newer release joins only
 # once `scripts/test_transformers_range.sh` has run the tests on it; CI runs them on the oldest, the README's test
 # command on whatever setup installed.
 TESTED_TRANSFORMERS = ("5.24.0", "5.25.0")

@@ -41,7 +41,7 @@ def _layouts():
 # Drafter layouts hf_dspark knows and does not read, by config.json model_type: what the folder holds, why it is not
 # read, and what runs it. They stay out of `layout_of` on purpose: generate() refuses an assistant whose config is in a
 # layout hf_dspark reads (`refuse_a_drafter_loaded_without_its_heads`), and these are transformers' own assistants,
-# which its own generate() must run with `import hf_dspark` exactly as without it (tests/test_transformers_paths.py).
+# which its own generate() must run with `import hf_dspark` exactly as without it (tests/coexistence/test_transformers_paths.py).
 UNREAD_LAYOUTS = {
     "muse_glimmer_assistant": (
         "a Muse Glimmer DFlash assistant (model_type 'muse_glimmer_assistant', MuseGlimmerAssistantModel), the block "
