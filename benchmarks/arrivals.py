@@ -133,7 +133,7 @@ def describe(engine) -> dict:
     policy_arg = engine.policy_arg
     return {"policy": engine.policy,
             "policy_arg": policy_arg if isinstance(policy_arg, (int, float, type(None))) else type(policy_arg).__name__,
-            "draft_slots": getattr(engine, "gamma", None),
+            "draft_slots": getattr(engine, "draft_length", None),
             "round_planning": None if planning is None else
             {"class": type(planning).__name__, **{k: v for k, v in vars(planning).items()
                                                    if isinstance(v, (bool, int, float, str))}}}

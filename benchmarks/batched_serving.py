@@ -141,7 +141,7 @@ def simulation() -> dict:
     for requests in [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256]:
         for name, (policy, policy_arg) in policies.items():
             if policy == "scheduler":  # the scheduler sees this load's drafting cost in its SPS(B)
-                policy_arg = DSparkScheduler(VerificationCostTable(table.seconds, draft_seconds(requests, model.gamma)))
+                policy_arg = DSparkScheduler(VerificationCostTable(table.seconds, draft_seconds(requests, model.draft_length)))
             result = simulate_policy(policy, policy_arg, requests=requests, rounds=args.sim_rounds,
                                      confidence_model=model, costs=table, draft_seconds=draft_seconds)
             rows.append({"policy": name, "requests": requests,

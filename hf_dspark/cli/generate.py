@@ -22,7 +22,7 @@ def add_device_argument(parser) -> None:
 
 
 def cost_table_for(target, drafter, target_name: str):
-    """Profile (once, cached on disk) what verifying 1..gamma+1 tokens costs here, for the throughput schedule."""
+    """Profile (once, cached on disk) what verifying 1..num_draft_slots + 1 tokens costs here, for the throughput schedule."""
     from hf_dspark.targets.default_target import cache_root
     from hf_dspark.evaluation.profiling import profile_verification_costs
     from hf_dspark.policy import VerificationCostTable
@@ -189,7 +189,7 @@ def add_parser(sub, dtypes) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--no-schedule", action="store_true",
-                     help="draft and verify gamma tokens every round (dspark_round_planning=False, no cost table) "
+                     help="draft and verify num_draft_slots tokens every round (dspark_round_planning=False, no cost table) "
                           "instead of the verification policy (per round the drafter's block, a suffix proposal or "
                           "a plain step, its width and the confidence-scheduled length, priced on this machine)")
     gen.add_argument("--no-suffix", action="store_true",

@@ -112,7 +112,7 @@ def _drafting_round(drafter, target, prefix):
     dtype = next(drafter.parameters()).dtype
     prefix = prefix.to(drafter.device)
     features = torch.zeros(prefix.shape[0], 1, width, device=drafter.device, dtype=dtype)
-    gamma = drafter.config.block_size
+    block_size = drafter.config.block_size
 
     def run():
         cache = DraftContextCache()
@@ -121,6 +121,6 @@ def _drafting_round(drafter, target, prefix):
             drafter(input_ids=block, target_hidden_states=features, cache=cache)
         else:
             out = drafter(input_ids=prefix[:, :1], target_hidden_states=features, cache=cache)
-            for _ in range(gamma - 1):
+            for _ in range(block_size - 1):
                 out = drafter(input_ids=prefix[:, :1], hidden_states=out.hidden_states[:, -1:], cache=cache)
     return run

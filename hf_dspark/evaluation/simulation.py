@@ -47,7 +47,7 @@ class ConfidenceModel:
         return gamma_a / (gamma_a + gamma_b)
 
     @property
-    def gamma(self) -> int:
+    def draft_length(self) -> int:
         return len(self.means)
 
 
@@ -55,8 +55,8 @@ def gpu_like_costs(step_seconds: float = 0.012, saturation_tokens: int = 256, sh
                    max_tokens: int = 4096, draft_fraction: float = 0.15) -> tuple[VerificationCostTable, Callable]:
     """A GPU-shaped cost curve: a forward over B tokens costs `step_seconds` while the chip is memory bound and
     grows linearly once B passes `saturation_tokens` (smoothly, with `sharpness`). Drafting R requests costs
-    `draft_fraction` of a target forward over R * gamma tokens' worth of compute on the same curve (the drafter is
-    a few layers against the target's dozens). Returns (verification cost table, draft_seconds(R, gamma))."""
+    `draft_fraction` of a target forward over R * draft_length tokens' worth of compute on the same curve (the drafter is
+    a few layers against the target's dozens). Returns (verification cost table, draft_seconds(R, draft_length))."""
 
     def forward(tokens: float) -> float:
         return step_seconds * (1 + (tokens / saturation_tokens) ** sharpness) ** (1 / sharpness)
@@ -64,7 +64,7 @@ def gpu_like_costs(step_seconds: float = 0.012, saturation_tokens: int = 256, sh
     table = VerificationCostTable([forward(b) for b in range(1, max_tokens + 1)], description={
         "kind": "simulated GPU-like", "step_seconds": step_seconds, "saturation_tokens": saturation_tokens,
         "sharpness": sharpness})
-    return table, lambda requests, gamma: draft_fraction * forward(requests * gamma)
+    return table, lambda requests, draft_length: draft_fraction * forward(requests * draft_length)
 
 
 @dataclass
@@ -89,12 +89,12 @@ class PolicyResult:
 def policy_lengths(policy: str, policy_arg, confidences: torch.Tensor) -> torch.LongTensor:
     """Drafts each request verifies this round under `policy` (the engine's own `DraftLengthRule`, every slot
     drafted; ``"plain"`` verifies none)."""
-    requests, gamma = confidences.shape
+    requests, draft_length = confidences.shape
     if policy == "plain":
         return torch.zeros(requests, dtype=torch.long)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    budget = torch.full((requests,), gamma, dtype=torch.long)
+    budget = torch.full((requests,), draft_length, dtype=torch.long)
     return DraftLengthRule(policy, policy_arg).lengths(confidences, budget)
 
 
@@ -123,25 +123,25 @@ def simulate_policy(policy: str, policy_arg, *, requests: int, rounds: int, conf
     those prices with its confidence calibration. `acceptance`: the chance each drafted slot is accepted given its
     confidence (None: the confidence itself, a calibrated head)."""
     generator = torch.Generator().manual_seed(seed)
-    gamma = confidence_model.gamma
+    draft_length = confidence_model.draft_length
     clock, model, shift = _Clock(), CostModel(), ConfidenceShift()
-    plans = RoundPolicy(gamma, planning=planning, costs=model, drafter_acceptance=SlotAcceptance.empty(gamma),
+    plans = RoundPolicy(draft_length, planning=planning, costs=model, drafter_acceptance=SlotAcceptance.empty(draft_length),
                         calibration=shift, clock=clock)
     rule = DraftLengthRule(policy, policy_arg, costs=model, calibration=shift) if policy != "plain" else None
     tokens, verified = 0, 0
     for _ in range(rounds):
         confidences = confidence_model.sample(requests, generator)
-        accepted = torch.rand(requests, gamma, generator=generator) < (
+        accepted = torch.rand(requests, draft_length, generator=generator) < (
             confidences if acceptance is None else acceptance(confidences))
-        plan = plans.plan(list(range(requests)), [_Text] * requests, [gamma if rule else 0] * requests)
+        plan = plans.plan(list(range(requests)), [_Text] * requests, [draft_length if rule else 0] * requests)
         budget = torch.tensor(plan.lengths)
         lengths = rule.lengths(confidences, budget) if plan.use_drafter else budget
         if plan.use_drafter:
-            clock.now += draft_seconds(requests, gamma)
+            clock.now += draft_seconds(requests, draft_length)
         started = clock.now
         width = int(lengths.max()) + 1
         clock.now += costs.round_seconds(requests * width) - costs.draft_seconds  # rows padded to the widest
-        in_prefix = torch.arange(gamma).expand(requests, -1) < lengths[:, None]
+        in_prefix = torch.arange(draft_length).expand(requests, -1) < lengths[:, None]
         survived = (accepted & in_prefix).long().cumprod(dim=-1).sum(dim=-1)
         tokens += int(survived.sum()) + requests  # accepted drafts plus one target token each
         verified += int(lengths.sum())

@@ -163,7 +163,8 @@ class DSparkDraftConfig(DraftPreTrainedConfig):
 
     @property
     def num_draft_slots(self) -> int:
-        """gamma, the tokens one round drafts at most: `block_size`, or `block_size - 1` when slot 0 is unused."""
+        """The draft length the drafter was trained for (gamma in the paper): the tokens one pass proposes, `block_size`,
+        or `block_size - 1` when slot 0 is unused."""
         return self.block_size - self.first_draft_slot
 
     @property

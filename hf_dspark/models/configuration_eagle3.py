@@ -51,7 +51,8 @@ class Eagle3DraftConfig(DraftPreTrainedConfig):
 
     @property
     def num_draft_slots(self) -> int:
-        """gamma, the tokens one round drafts at most (one autoregressive step each)."""
+        """The draft length the drafter was trained for (gamma in the paper): the tokens one round drafts at most, one
+        autoregressive step each."""
         return self.block_size
 
     @classmethod

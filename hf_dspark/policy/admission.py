@@ -97,11 +97,11 @@ class DSparkScheduler:
         self.early_stop, self.calibration, self.acceptance = early_stop, calibration, acceptance
 
     def select_lengths(self, confidences: torch.Tensor, max_lengths: torch.Tensor | None = None) -> torch.LongTensor:
-        rows, gamma = confidences.shape
+        rows, slots = confidences.shape
         if self.calibration is not None:
             confidences = self.calibration.apply(confidences)
         survival = survival_of(confidences, max_lengths)
-        ahead = self.acceptance.means(gamma) if self.acceptance is not None else None
-        width = admitted_width(survival, self.costs.forward_prices(rows, gamma + 1), self.early_stop, ahead)
+        ahead = self.acceptance.means(slots) if self.acceptance is not None else None
+        width = admitted_width(survival, self.costs.forward_prices(rows, slots + 1), self.early_stop, ahead)
         lengths = (width - 1).expand(rows)
         return lengths if max_lengths is None else torch.minimum(lengths, max_lengths.to(lengths.device))

@@ -11,7 +11,7 @@ requests' bookkeeping `requests`, the round's decision `policy.planner`, transfo
   forward's attention mask (for full attention the 2D padding mask: the causal order is the cache order).
 * Drafter: one `DraftContextCache` and a (R, C) validity mask over its context rows. Each round appends, per row,
   the target features of the entries that became valid (the context before the next anchor), then runs the backbone
-  on `[anchor, MASK x (gamma-1)]` (valid context and the whole block visible) and the head slot by slot over rows.
+  on `[anchor, MASK x (block_size - 1)]` (valid context and the whole block visible) and the head slot by slot over rows.
 
 A round reads the device twice, whatever R: the verified lengths (and confidences), which fix the verification's
 width, and the accepted counts with the emitted tokens (each request's EOS and length limit are found on the host).

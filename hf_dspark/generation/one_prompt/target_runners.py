@@ -105,9 +105,9 @@ class RecurrentStateRunner(DynamicTargetRunner):
 
 def verification_buckets(num_draft_slots: int, costs=None) -> tuple[int, ...]:
     """The forward sizes a compiled verification is padded to, covering every round of a drafter with
-    `num_draft_slots` slots (1 to gamma + 1 tokens). With a cost table `costs`, the sizes it pads to
-    (`padded_tokens`, the cheapest forward at or above each count); without, powers of two below gamma + 1, then
-    gamma + 1."""
+    `num_draft_slots` slots (1 to `num_draft_slots` + 1 tokens). With a cost table `costs`, the sizes it pads to
+    (`padded_tokens`, the cheapest forward at or above each count); without, powers of two below `num_draft_slots` + 1,
+    then `num_draft_slots` + 1."""
     most = num_draft_slots + 1
     if costs is not None:
         return tuple(sorted({costs.padded_tokens(n) for n in range(1, most + 1)}))

@@ -2,7 +2,7 @@
 DFlash and DFlash 2 drafters (`draft_block`) and Eagle3's chain (`context_pass`, `draft_chain`).
 
 A block round: the backbone's single pass gives every slot's hidden state and base logits; the sequential head then
-walks the gamma slots, each correcting its logits with the token drawn at the slot before, picking a token through
+walks the drafted slots, each correcting its logits with the token drawn at the slot before, picking a token through
 the user's processors (`sampling`), and producing a confidence c_k. All slots are drafted, then
 `DraftLengthRule` (policy) decides on the device how many each row verifies, from c_1..c_k alone: lossless,
 and no slot waits for the host.
@@ -81,7 +81,7 @@ def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTe
         backbone_output: the drafter's output on `[anchor, MASK x (block_size - 1)]` (hidden states and base logits
             of every block slot, (R, block_size, ...)).
         anchor: (R,) the newest committed token of each row (x_{-1} for the sequential head).
-        slots: how many tokens to draft (at most gamma, `config.num_draft_slots`).
+        slots: how many tokens to draft (at most `config.num_draft_slots`).
         sampling: a `ProcessorSampling` or `RowSampling` (the processors and the token choice).
 
     Returns:
