@@ -82,10 +82,8 @@ class Sequence:
 
 
 def request_tokens(engine: SpeculativeEngine, request_id: int) -> list[int]:
-    """The prompt and new tokens of a request still running. The engine returns a request's tokens only when it
-    finishes (`step()`) or is cancelled (`cancel()`); streaming needs them after every step, which the engine has no
-    public accessor for yet, so this one place reads its request table."""
-    return engine._requests[request_id].tokens
+    """The prompt and new tokens of a request still running (`SpeculativeEngine.tokens_so_far`)."""
+    return engine.tokens_so_far(request_id)
 
 
 def takes_own_generators(engine: SpeculativeEngine, device) -> bool:

@@ -516,3 +516,23 @@ def test_the_drafter_does_not_run_in_rounds_where_no_row_drafts():
         assert torch.equal(outputs[request], target.generate(p, do_sample=False, max_new_tokens=MAX_NEW)[0])
     rounds = len(engine.verified_tokens_per_round)
     assert 0 < len(calls) < rounds, (len(calls), rounds)
+
+
+def test_a_running_request_shows_its_tokens_so_far():
+    """`tokens_so_far` is each step's prefix of the request's final output (what a stream sends), and a returned
+    request is gone from it."""
+    target = tiny_target("llama")
+    engine = batched.SpeculativeEngine(target, tiny_drafter(target, "markov", block_size=4))
+    prompt = prompts(1)[0][0]
+    request = engine.submit(prompt, 12)
+    assert engine.tokens_so_far(request) == prompt.tolist()  # waiting: the prompt alone
+    seen, output = [], None
+    while output is None:
+        finished = engine.step()
+        output = finished.get(request)
+        if output is None:
+            seen.append(engine.tokens_so_far(request))
+    assert seen and all(len(a) < len(b) for a, b in zip(seen, seen[1:]))
+    assert all(output.tolist()[: len(tokens)] == tokens for tokens in seen)
+    with pytest.raises(KeyError, match="no request"):
+        engine.tokens_so_far(request)

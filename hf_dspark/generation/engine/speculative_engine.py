@@ -245,6 +245,16 @@ class SpeculativeEngine:
                 outputs.update(self._step())
                 returned.update(self.returned_stats)
 
+    def tokens_so_far(self, request_id: int) -> list[int]:
+        """A waiting or running request's prompt followed by the tokens it has emitted so far, as host ints (what a
+        stream sends after each `step()`). Its output is still returned once, when it finishes or is cancelled."""
+        with self._gate.exclusive():
+            self._gate.admit(self._waiting)
+            if request_id not in self._requests:
+                raise KeyError(f"no request {request_id} is waiting or running (finished ones were already returned "
+                               "by step(), cancel() or run_until_done()).")
+            return list(self._requests[request_id].tokens)
+
     def take_parked(self, request_id: int) -> ParkedCache:
         """The parked cache of a finished `keep_cache=True` request, leaving the engine (pass it to `submit(...,
         resume=)` for the conversation's next turn, or drop it)."""
