@@ -19,22 +19,8 @@ import torch
 from transformers import DynamicCache
 
 from ...models.layers import DraftContextCache
+from ..round.drafting import pad_to, to_device
 from ...transformers_internals.cache_layers import cache_layers, merge_layer_rows, row_entries, select_layer_entries
-
-
-def to_device(values: list[int], device, dtype=torch.long) -> torch.Tensor:
-    """Host ints as a tensor on `device`, copied without waiting for the device's queue."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
-def pad_to(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Pad `tensor` with zeros (False) at the end of `dim` up to `width` entries: holes."""
-    missing = width - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
 
 
 def _cat_rows(blocks: list[torch.Tensor], dim: int) -> torch.Tensor:

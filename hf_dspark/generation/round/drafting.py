@@ -51,6 +51,21 @@ class Drafts:
                    torch.zeros(num_rows, dtype=torch.long, device=device), length=0)
 
 
+def to_device(values: list[int], device, dtype=torch.long) -> torch.Tensor:
+    """Host ints as a tensor on `device`, copied without waiting for the device's queue."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def pad_to(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Pad `tensor` with zeros (False) at the end of `dim` up to `width` entries: holes."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+
 def draft_input_block(anchor: torch.LongTensor, config) -> torch.LongTensor:
     """The backbone's input for R rows: `[anchor, MASK x (block_size - 1)]`, (R, block_size)."""
     masks = anchor.new_full((anchor.shape[0], config.block_size - 1), config.mask_token_id)

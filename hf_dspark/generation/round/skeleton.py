@@ -25,7 +25,7 @@ import torch
 
 from ...policy.length_rule import DraftLengthRule
 from ...policy.planner import DRAFTER, RoundPlan, RoundPolicy
-from .drafting import Drafts, one_hot_probs, round_tokens
+from .drafting import Drafts, one_hot_probs, pad_to, round_tokens, to_device
 from .verification import verify_drafts
 
 
@@ -97,7 +97,7 @@ def _proposals(rows: RoundRows, plan: RoundPlan, policy: RoundPolicy, request_id
     num_rows, device = len(request_ids), rows.anchor.device
     drafter_budgets = [length if source == DRAFTER else 0 for source, length in zip(plan.sources, plan.lengths)]
     if plan.use_drafter:
-        budget = torch.tensor(drafter_budgets, dtype=torch.long).to(device, non_blocking=True)
+        budget = to_device(drafter_budgets, device)
         drafts = rows.draft(budget, max(drafter_budgets), policy.rule, sampling, generator)
     else:  # the context stays queued for the drafter's next pass
         drafts = Drafts.empty(num_rows, device)
@@ -135,19 +135,11 @@ def with_suffix_drafts(drafts: Drafts, suffix_rows: dict[int, list[int]], vocab_
         host_lengths[row], is_suffix[row] = len(tokens), True
     suffix_tokens = host_tokens.to(device, non_blocking=True)
     is_suffix = is_suffix.to(device, non_blocking=True)
-    tokens = torch.where(is_suffix[:, None], suffix_tokens, _pad_to(drafts.tokens, width))
+    tokens = torch.where(is_suffix[:, None], suffix_tokens, pad_to(drafts.tokens, width, 1))
     lengths = torch.where(is_suffix, host_lengths.to(device, non_blocking=True), drafts.lengths)
     probs = None
     if sampled:
         vocab = drafts.probs.shape[-1] if drafts.probs is not None else vocab_size
         base = drafts.probs if drafts.probs is not None else torch.zeros(num_rows, 0, vocab, device=device)
-        probs = torch.where(is_suffix[:, None, None], one_hot_probs(suffix_tokens, vocab), _pad_to(base, width))
+        probs = torch.where(is_suffix[:, None, None], one_hot_probs(suffix_tokens, vocab), pad_to(base, width, 1))
     return Drafts(tokens, probs, lengths, drafts.confidences)
-
-
-def _pad_to(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """`tensor` (R, G, ...) with zeros appended along dim 1 up to `width` slots (never verified)."""
-    missing = width - tensor.shape[1]
-    if missing <= 0:
-        return tensor
-    return torch.cat([tensor, tensor.new_zeros(tensor.shape[0], missing, *tensor.shape[2:])], dim=1)
