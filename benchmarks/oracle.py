@@ -11,6 +11,12 @@ p is `acceptance` for every position (the *independent* form), or, when the draf
 handed over (`stash`, which the benchmark wires to the drafting pass), `confidence_map(c)` of each slot's confidence
 (the *confidence-informed* form: the head's ranking then says which drafts survive, and the schedule has something
 to find). A plain step (one token) has no position to force, so plain decoding is the target's own.
+
+`never_end`: the end-of-sequence tokens' logits are lowered below every row's minimum at every position, and a
+proposed end token is never forced, so every method emits exactly `max_new_tokens` per row. The target is then
+"the target that never ends", the same for plain decoding and every policy; without it, where a forced draft ends
+a row early decides a run's tokens per second as much as the policy does (a row of four ended at 9 tokens leaves
+its batch three rows wide).
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ import torch
 
 
 class AcceptanceOracle:
-    def __init__(self, target, acceptance: float, seed: int = 0, confidence_map=None):
+    def __init__(self, target, acceptance: float, seed: int = 0, confidence_map=None, never_end: bool = False):
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance must be a probability in [0, 1], got {acceptance}")
         self.target, self.acceptance, self.confidence_map = target, acceptance, confidence_map
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
         self.clock = None  # when set (benchmarks/gpu/check.py), the rewrite's seconds go to its "oracle" phase
         self._handle = None
+        ends = target.generation_config.eos_token_id if never_end else None
+        ends = [] if ends is None else [ends] if isinstance(ends, int) else list(ends)
+        self._ends = torch.tensor(ends, dtype=torch.long, device=target.device) if ends else None
         self._stashed: torch.Tensor | None = None
         self._positions, self._forced, self._undone = [], [], []  # device tensors, read once at the end
 
@@ -63,6 +72,8 @@ class AcceptanceOracle:
         if input_ids is None or logits is None:
             return None
         started = time.perf_counter()
+        if self._ends is not None:
+            logits[..., self._ends] = logits.amin(dim=-1, keepdim=True) - 1.0
         length, kept = input_ids.shape[1], logits.shape[1]
         first = length - kept  # input position of the first kept logit
         forceable = length - 1 - first  # kept positions that have a next input token
@@ -71,6 +82,8 @@ class AcceptanceOracle:
             following = input_ids[:, first + 1 :][..., None]
             chance = self._probabilities(following.shape[:2])
             hit = torch.rand(following.shape[:2], device=logits.device, generator=self.generator) < chance
+            if self._ends is not None:
+                hit &= ~torch.isin(following[..., 0], self._ends)
             top = rows.amax(dim=-1)
             current = rows.gather(-1, following).squeeze(-1)
             agrees = current >= top  # the target's own argmax is already the draft (ties included)

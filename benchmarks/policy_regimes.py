@@ -11,8 +11,9 @@ accepted with probability A), `confidence` (accepted with probability sigmoid(2 
 drafter's own confidence c for that slot, m the mean logit of its confidences: the head's ranking says which drafts
 survive, on average A) and `miscalibrated` (the same with slope 0.5: the head's spread is twice the truth's). Each
 cell (form, A, R) runs R held-out chat prompts (the mix of `batched_user_path.py`) through `target.generate` with
-every method, interleaved (the order rotated each repeat), best of `--repeats` tokens/s per method, the spread of the
-repeats recorded:
+every method, interleaved (the order rotated each repeat), best of `--repeats` tokens/s per method (and the medians'
+ratio beside it), the spread of the repeats recorded. The oracle's target never ends (`--ends` lets it): every
+method emits the same tokens, so a run's rate is its seconds, not where a forced draft happened to end a row.
 
 * `plain`: plain batched `generate` (a plain step has nothing to force: the target's own decoding);
 * `all`, `fixed-k`, `threshold`: fixed policies (`dspark_round_planning=False`, `dspark_verification_policy=`
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -57,6 +59,9 @@ parser.add_argument("--warmup-calls", type=int, default=2,
                     help="untimed calls of the defaults before each cell's repeats (the state they learn is what a "
                          "user's later calls start from); the first call of each workload is reported apart")
 parser.add_argument("--threads", type=int, default=2)
+parser.add_argument("--ends", action="store_true",
+                    help="let rows end at the target's end token (default: the oracle's target never ends, so every "
+                         "method emits max_new_tokens per row and a forced early end decides nothing)")
 parser.add_argument("--simulate", action="store_true", help="also the GPU-shaped simulation of the same cells")
 parser.add_argument("--simulate-only", action="store_true")
 parser.add_argument("--simulated-rounds", type=int, default=400)
@@ -137,7 +142,7 @@ def run_cells(results: dict) -> None:
     results["mean_confidence_logit"] = mean_logit
     cells = results.setdefault("cells", {})
     todo = [(f, a, r) for f in forms for a in acceptances for r in rows_list if f"{f}/{a}/{r}" not in cells]
-    states = {}
+    states, warmed = {}, set()
     for form, acceptance, rows in tqdm(todo, desc="cells"):
         enc = encodings[rows]
         state = states.setdefault((form, acceptance), hf_dspark.DraftingState())
@@ -148,7 +153,8 @@ def run_cells(results: dict) -> None:
 
         def timed(seed: int, call: dict) -> tuple[int, float]:
             """(tokens emitted, seconds) of one oracle-forced generate() call."""
-            with AcceptanceOracle(target, acceptance, seed=seed, confidence_map=mapping) as oracle:
+            with AcceptanceOracle(target, acceptance, seed=seed, confidence_map=mapping,
+                                  never_end=not args.ends) as oracle:
                 oracle_ref[0] = oracle
                 started = time.perf_counter()
                 out = target.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False, **call)
@@ -161,7 +167,8 @@ def run_cells(results: dict) -> None:
             emitted, seconds = timed(1000 + call, {"assistant_model": drafter, "dspark_state": state})
             if first and call == 0:
                 first_rate = emitted / seconds
-        for repeat in range(args.repeats + 1):  # the first pass is a warm-up, untimed
+        # The process's first pass at a row count is a warm-up, untimed (first forwards of each shape).
+        for repeat in range(0 if rows in warmed else 1, args.repeats + 1):
             order = METHODS[repeat % len(METHODS):] + METHODS[: repeat % len(METHODS)]
             for method in order:
                 settings = method_settings(method)
@@ -177,14 +184,18 @@ def run_cells(results: dict) -> None:
                     for s in stats if isinstance(stats, list) else [stats]:
                         for source in s.sources:
                             sources[source] = sources.get(source, 0) + 1
+        warmed.add(rows)
         rates = {m: [t / s for t, s in zip(tokens[m], times[m])] for m in METHODS}
         best = {m: max(v) for m, v in rates.items()}
+        median = {m: statistics.median(v) for m, v in rates.items()}
+        median_other = max((m for m in median if m != "defaults"), key=median.get)
         others = {m: v for m, v in best.items() if m != "defaults"}
         hindsight = max(others, key=others.get)
         cells[f"{form}/{acceptance}/{rows}"] = {
             "form": form, "acceptance": acceptance, "rows": rows, "tokens_per_second": rates,
             "best": best, "best_other": hindsight, "defaults_vs_best_other": best["defaults"] / others[hindsight],
             "defaults_vs_plain": best["defaults"] / best["plain"],
+            "median_best_other": median_other, "median_defaults_vs_best_other": median["defaults"] / median[median_other],
             "spread": {m: (max(v) - min(v)) / max(v) for m, v in rates.items()}, "defaults_sources": sources,
             **({"first_call_vs_plain": first_rate / best["plain"]} if first and args.warmup_calls else {})}
         write_report(output, results, report_lines(results))
@@ -234,7 +245,7 @@ def report_lines(results: dict) -> list[str]:
         lines += [f"## {title}", ""]
         header = ["form", "A", "R", "defaults", "best other", "defaults / best other", "defaults / plain"]
         if key == "cells":
-            header += ["first call / plain", "spread (defaults)", "defaults' rounds"]
+            header += ["medians: defaults / best other", "first call / plain", "spread (defaults)", "defaults' rounds"]
         body = []
         for cell in cells.values():
             rate = cell.get("best", cell["tokens_per_second"])
@@ -242,7 +253,9 @@ def report_lines(results: dict) -> list[str]:
                    f"{cell['best_other']} {fmt(rate[cell['best_other']], 1)}",
                    fmt(cell["defaults_vs_best_other"]) + "x", fmt(cell["defaults_vs_plain"]) + "x"]
             if key == "cells":
-                row += [fmt(cell["first_call_vs_plain"]) + "x" if "first_call_vs_plain" in cell else "",
+                row += [f"{fmt(cell['median_defaults_vs_best_other'])}x ({cell['median_best_other']})"
+                        if "median_best_other" in cell else "",
+                        fmt(cell["first_call_vs_plain"]) + "x" if "first_call_vs_plain" in cell else "",
                         f"{100 * cell['spread']['defaults']:.0f} %",
                         ", ".join(f"{n} {s}" for s, n in sorted(cell["defaults_sources"].items()))]
             body.append(row)

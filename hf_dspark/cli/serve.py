@@ -1,5 +1,5 @@
-"""`hf-dspark serve`: an OpenAI-compatible server (`/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-`/health`, `/metrics`) on the speculative engine. With no arguments: the embedded SmolLM2-135M-Instruct target with
+"""`hf-dspark serve`: an OpenAI-compatible server (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`,
+`/v1/models`, `/health`, `/metrics`) on the speculative engine. With no arguments: the embedded SmolLM2-135M-Instruct target with
 the shipped DSpark drafter on http://127.0.0.1:8000/v1."""
 
 from __future__ import annotations

@@ -8,12 +8,5 @@ from .costs import CostModel
 from .length_rule import DraftLengthRule, resolve_verification_policy
 from .state import DraftingState, ProposalStatistics
 
-__all__ = [
-    "CostModel",
-    "DSparkScheduler",
-    "DraftLengthRule",
-    "DraftingState",
-    "ProposalStatistics",
-    "VerificationCostTable",
-    "resolve_verification_policy",
-]
+__all__ = ["CostModel", "DSparkScheduler", "DraftLengthRule", "DraftingState", "ProposalStatistics",
+           "VerificationCostTable", "resolve_verification_policy"]

@@ -4,21 +4,26 @@ profiled table. The admission rule prices every round with it, before drafting a
     F(R, W) = seconds of a target forward over R rows of W tokens (N = R * W tokens)
     D(R)    = seconds of the drafter's pass over R rows
 
-A shape the loop ran is priced by its measurements' moving average. A shape never run is priced by the least it can
+A shape the loop ran is priced by its base times the load now (see below). A shape never run is priced by the least it can
 cost (a forward over more tokens never costs less than one over fewer): the dearest shape measured over at most N
-tokens, next to nothing with none, and at least a profiled table's price. That optimism keeps prices honest without
-probes: a shape is tried once while its least price could win, then priced by what it cost. (A line through the
-measured shapes prices a convex curve's middle high, and a shape priced out is never run to correct it: 0.92x the
-best fixed width at 64 rows in the GPU-shaped simulation, against 0.98x.) D(R) likewise (free until it ran once).
+tokens, next to nothing with none, and at least a profiled table's price: a shape is tried once while its least price
+could win, then priced by what it cost (a line through the measured shapes, which prices a convex curve's middle
+high, gave 0.92x the best fixed width at 64 rows in the GPU-shaped simulation, against 0.98x). D(R) likewise.
 """
 
 from __future__ import annotations
 
 from ..models.cost_table import VerificationCostTable
 
-# The weight of a new timing in a shape's moving average: about the last three runs count (a change of load, which
-# scales every forward alike, is followed within a few rounds), and one burst of other work moves it a third.
-SMOOTHING = 0.3
+# A pass's seconds are its shape's base price times the machine's load now (one factor for every shape and the
+# drafter: other work slows every forward alike). A timing moves the load by LOAD_SMOOTHING of its log ratio to the
+# price (about the last two runs count; the load's noise scales every price alike, so it changes no choice) and its
+# shape's base by 1 / n of what the load left unexplained, n its runs so far, at least SHAPE_SMOOTHING (about the
+# last fifty runs of a shape, as the acceptance counts' decay). Without the shared load a burst of other work priced
+# the shapes it hit for good: at 16 rows a seven-fold burst left width 2 at 1.28 s where it costs 0.18 s, and a plain
+# step priced that way is never run again to correct it (tested: after such a burst, 10 % off).
+LOAD_SMOOTHING = 0.5
+SHAPE_SMOOTHING = 0.02
 _UNBOUNDED = 1e-9  # the price of a shape nothing bounds from below: tried next
 
 
@@ -27,27 +32,40 @@ class CostModel:
 
     def __init__(self, table: VerificationCostTable | None = None, learn: bool = True):
         self.table, self.learn = table, learn
-        self.forwards: dict[tuple[int, int], float] = {}  # (rows, width) -> seconds, as measured
-        self.drafts: dict[int, float] = {}  # rows -> seconds, as measured
+        self.forwards: dict[tuple[int, int], float] = {}  # (rows, width) -> base seconds (at a load of 1)
+        self.drafts: dict[int, float] = {}  # rows -> base seconds
+        self.load = 1.0  # how much slower than the bases every pass runs now
+        self._runs: dict = {}  # (which bases, key) -> timings recorded
 
     def record_forward(self, rows: int, width: int, seconds: float) -> None:
-        if self.learn and seconds > 0.0:
-            _smooth(self.forwards, (rows, width), seconds)
+        self._record(self.forwards, (rows, width), seconds)
 
     def record_draft(self, rows: int, seconds: float) -> None:
-        if self.learn and seconds > 0.0:
-            _smooth(self.drafts, rows, seconds)
+        self._record(self.drafts, rows, seconds)
+
+    def _record(self, bases: dict, key, seconds: float) -> None:
+        if not self.learn or seconds <= 0.0:
+            return
+        runs = self._runs[id(bases), key] = self._runs.get((id(bases), key), 0) + 1
+        base = bases.get(key)
+        if base is None:  # a new shape: its first timing, at today's load
+            bases[key] = seconds / self.load
+            return
+        ratio = seconds / (base * self.load)
+        self.load *= ratio ** LOAD_SMOOTHING
+        bases[key] = base * (seconds / (base * self.load)) ** max(1.0 / runs, SHAPE_SMOOTHING)
 
     def forward_seconds(self, rows: int, width: int) -> float:
         measured = self.forwards.get((rows, width))
         if measured is not None:
-            return measured
+            return measured * self.load
         tabled = self._tabled(rows, width)
         if not self.forwards:
             return tabled if tabled is not None else 1.0  # nothing known: every forward alike, until one ran
         tokens = rows * width
         # Nothing measured over as few tokens: no bound but zero, so this shape is the next one tried.
-        least = max([seconds for (r, w), seconds in self.forwards.items() if r * w <= tokens], default=_UNBOUNDED)
+        least = self.load * max([seconds for (r, w), seconds in self.forwards.items() if r * w <= tokens],
+                                default=_UNBOUNDED)
         return least if tabled is None else max(least, tabled)
 
     def forward_prices(self, rows: int, widths: int) -> list[float]:
@@ -57,9 +75,9 @@ class CostModel:
     def draft_seconds(self, rows: int) -> float:
         measured = self.drafts.get(rows)
         if measured is not None:
-            return measured
+            return measured * self.load
         tabled = self.table.draft_seconds if self.table is not None else 0.0
-        below = [seconds for r, seconds in self.drafts.items() if r <= rows]
+        below = [seconds * self.load for r, seconds in self.drafts.items() if r <= rows]
         return max(below + [tabled])
 
     def _tabled(self, rows: int, width: int) -> float | None:
@@ -68,8 +86,3 @@ class CostModel:
         # One row's verification is padded to the table's cheapest size at least as wide (the batch-1 loop).
         tokens = self.table.padded_tokens(width) if rows == 1 else rows * width
         return self.table.round_seconds(tokens) - self.table.draft_seconds
-
-
-def _smooth(table: dict, key, seconds: float) -> None:
-    previous = table.get(key)
-    table[key] = seconds if previous is None else previous + SMOOTHING * (seconds - previous)

@@ -1,5 +1,5 @@
-"""The FastAPI application: OpenAI's `/v1/chat/completions`, `/v1/completions` and `/v1/models`, plus `/health` and
-`/metrics`, over one `EngineWorker`."""
+"""The FastAPI application: OpenAI's `/v1/chat/completions`, `/v1/completions`, `/v1/responses` and `/v1/models`,
+plus `/health` and `/metrics`, over one `EngineWorker`."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .generation import Generation, SamplingSettings
 from .metrics import ServerMetrics
-from .protocol import (CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, APIError, ChatCompletionRequest, CompletionRequest,
-                       parse_json, parse_request)
+from .protocol import (CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, RESPONSES_UNSUPPORTED, APIError, ChatCompletionRequest,
+                       CompletionRequest, ResponsesRequest, parse_json, parse_request)
 from .responses import DONE, EventStream, ResponseBuilder, error_event
+from .responses_api import ResponseAnswer
 from .worker import EngineWorker
 
 
@@ -104,7 +105,8 @@ def _openai_router(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request):
         body = parse_request(parse_json(await request.body()), ChatCompletionRequest, CHAT_UNSUPPORTED)
         _check_model(state, body.model)
-        prompt = _chat_prompt(state.model.tokenizer, body)
+        prompt = _chat_prompt(state.model.tokenizer, [message.as_template_message() for message in body.messages],
+                              "messages")
         generation = _generation(state, body, [_checked_prompt(state, prompt, "messages")])
         builder = ResponseBuilder("chatcmpl", state.model.name)
         if body.stream:
@@ -134,6 +136,20 @@ def _openai_router(state: ServerState) -> APIRouter:
         return JSONResponse(builder.completion(generation).model_dump(exclude_unset=True),
                             headers=_request_id(request, builder))
 
+    @router.post("/responses")
+    async def responses(request: Request):
+        body = parse_request(parse_json(await request.body()), ResponsesRequest, RESPONSES_UNSUPPORTED)
+        _check_model(state, body.model)
+        prompt = _chat_prompt(state.model.tokenizer, body.messages(), "input")
+        generation = _generation(state, body, [_checked_prompt(state, prompt, "input")])
+        answer = ResponseAnswer(state.model.name, body)
+        headers = {"x-request-id": request.headers.get("x-request-id") or answer.id}
+        if body.stream:
+            return EventStream(answer.events(generation), generation.close, headers=headers)
+        if not await _collect(generation, request):
+            return Response(status_code=499)
+        return JSONResponse(answer.whole(generation).model_dump(exclude_none=True), headers=headers)
+
     return router
 
 
@@ -143,17 +159,19 @@ def _check_model(state: ServerState, name: str) -> None:
                             "(see /v1/models).", param="model", code="model_not_found")
 
 
-def _chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(tokenizer, messages: list[dict], param: str) -> list[int]:
+    """The prompt ids of chat `messages` (`{"role", "content"}`) by the model's chat template; `param` is the
+    request field they came from."""
     from ..evaluation.prompts import chat_prompt_ids
 
     if getattr(tokenizer, "chat_template", None) is None:
-        raise APIError(400, "This model's tokenizer has no chat template, so /v1/chat/completions cannot build its "
-                            "prompt; use /v1/completions with the text of the prompt.", param="messages",
+        raise APIError(400, f"This model's tokenizer has no chat template, so the server cannot build a prompt from "
+                            f"'{param}'; use /v1/completions with the text of the prompt.", param=param,
                        code="no_chat_template")
     try:
-        return chat_prompt_ids(tokenizer, [message.as_template_message() for message in body.messages])
+        return chat_prompt_ids(tokenizer, messages)
     except Exception as error:  # the template's own refusal (e.g. roles out of order)
-        raise APIError(400, f"The chat template cannot render these messages: {error}", param="messages",
+        raise APIError(400, f"The chat template cannot render these messages: {error}", param=param,
                        code="invalid_messages") from None
 
 

@@ -173,6 +173,109 @@ class CompletionRequest(_Sampling):
         return "max_tokens"
 
 
+# Responses API fields this server does not build: only their neutral values pass. Nothing is stored, so `store`
+# must be false (OpenAI's default is true: a client that relies on it is told) and no earlier response can be named.
+RESPONSES_UNSUPPORTED = {
+    "store": _neutral(False),
+    "previous_response_id": _neutral(),
+    "conversation": _neutral(),
+    "background": _neutral(False),
+    "include": _neutral([]),
+    "tools": _neutral([]),
+    "tool_choice": _neutral("none", "auto"),
+    "parallel_tool_calls": lambda value: True,  # meaningless without tools
+    "max_tool_calls": _neutral(),
+    "text": lambda value: value is None or value == {"format": {"type": "text"}},
+    "reasoning": _neutral(),
+    "top_logprobs": _neutral(0),
+    "truncation": _neutral("disabled"),
+    "metadata": _neutral({}),
+    "prompt": _neutral(),
+    "service_tier": _neutral("auto", "default"),
+}
+_INPUT_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _input_message(item: dict, where: str) -> dict:
+    """One Responses input message as chat templates read it (`{"role", "content"}`), its text parts joined."""
+    role, content = item.get("role"), item.get("content", "")
+    if item.get("type", "message") != "message":
+        raise ValueError(f"{where} is a {item.get('type')!r} item; this server takes messages only")
+    if role not in ("system", "developer", "user", "assistant"):
+        raise ValueError(f"{where} has role {role!r}; one of system, developer, user, assistant")
+    if isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in _INPUT_TEXT_PARTS or \
+                    not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"{where} has a content part of type {kind!r}; this server takes text parts "
+                                 '({"type": "input_text", "text": ...}) only')
+        content = "".join(part["text"] for part in content)
+    elif not isinstance(content, str):
+        raise ValueError(f"{where}'s content must be a string or a list of text parts")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+class ResponsesRequest(_Strict):
+    """`/v1/responses`: one answer (no `n`, no stop strings in this API) to `input` after `instructions`."""
+
+    model: str
+    input: str | list[dict]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # as in chat: vLLM's extension
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stream: bool = False
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _messages_only(cls, value):
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("the input is empty")
+            return value
+        if not value:
+            raise ValueError("the input is empty")
+        if "role" not in value[0]:  # a flat list of content parts: one user message
+            _input_message({"role": "user", "content": value}, "input")
+        else:
+            for i, item in enumerate(value):
+                _input_message(item, f"input[{i}]")
+        return value
+
+    def messages(self) -> list[dict]:
+        """The chat messages this request means: `instructions` as a system message first."""
+        value = self.input
+        if isinstance(value, str):
+            messages = [{"role": "user", "content": value}]
+        elif "role" not in value[0]:
+            messages = [_input_message({"role": "user", "content": value}, "input")]
+        else:
+            messages = [_input_message(item, f"input[{i}]") for i, item in enumerate(value)]
+        if self.instructions:
+            messages.insert(0, {"role": "system", "content": self.instructions})
+        return messages
+
+    @property
+    def n(self) -> int:  # what the shared generation path reads (not a field of this API)
+        return 1
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_output_tokens"
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return []
+
+
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
@@ -185,7 +288,7 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def parse_request(body: dict, schema: type[_Sampling], unsupported: dict) -> _Sampling:
+def parse_request(body: dict, schema: type[_Strict], unsupported: dict) -> _Strict:
     """`body` checked against `schema`, the neutral values of unsupported fields dropped; an APIError naming the
     first field at fault otherwise."""
     body = dict(body)

@@ -176,6 +176,60 @@ def test_chat_and_completions_streamed_and_not_equal_plain_greedy(served):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_responses_streamed_and_not_equal_plain_greedy_with_instructions_and_limits(served):
+    client, content = served.client(), prompt_text(11, 10)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": content}]
+    ids = list(served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"])
+    expected = served.greedy_text(ids, 20)
+    answer = client.responses.create(model=MODEL, input=content, instructions="be brief", max_output_tokens=20,
+                                     temperature=0)
+    assert answer.output_text == expected and answer.status == "incomplete"
+    assert answer.incomplete_details.reason == "max_output_tokens"
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (len(ids), 20)
+    assert answer.usage.model_extra["drafted_tokens"] >= answer.usage.model_extra["accepted_tokens"] >= 0
+    # The same conversation as input items (text parts, `developer` read as `system`).
+    items = [{"role": "developer", "content": "be brief"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": content}]}]
+    assert client.responses.create(model=MODEL, input=items, max_output_tokens=20, temperature=0).output_text == \
+        expected
+
+    events = list(client.responses.create(model=MODEL, input=content, instructions="be brief",
+                                          max_output_tokens=20, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
+    assert events[-1].response.output_text == expected and events[-1].response.usage.output_tokens == 20
+    # An answer that ends at the end token is completed: the served target given the tokenizer's end token (the tiny
+    # one has none) and a prompt whose plain greedy answer reaches it within 24 tokens.
+    eos, config = served.tokenizer.eos_token_id, served.state.worker.engine.target.generation_config
+    ending, greedy = next((text, ids) for text, ids in ((t, served.greedy_ids(served.chat_ids(t), 24))
+                                                        for t in (prompt_text(100 + seed, 6) for seed in range(300)))
+                          if eos in ids)
+    config.eos_token_id = eos
+    try:
+        ended = client.responses.create(model=MODEL, input=ending, max_output_tokens=24, temperature=0)
+    finally:
+        config.eos_token_id = None
+    assert ended.status == "completed" and ended.incomplete_details is None
+    assert ended.output_text == served.tokenizer.decode(greedy[: greedy.index(eos)], skip_special_tokens=True)
+
+    for body, field in (({"store": True}, "store"), ({"tools": [{"type": "web_search"}]}, "tools"),
+                        ({"previous_response_id": "resp_1"}, "previous_response_id"), ({"n": 2}, "n")):
+        status, error = raw_post(served.url + "/responses", json.dumps(
+            {"model": MODEL, "input": content, **body}).encode())
+        assert status == 400 and field in error["error"]["message"], (field, error)
+    status, error = raw_post(served.url + "/responses", json.dumps(
+        {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}
+    ).encode())
+    assert status == 400 and "input_image" in error["error"]["message"]
+    assert client.responses.create(model=MODEL, input="hi", max_output_tokens=3, temperature=0).output_text
+
+
 def test_stop_strings_are_cut_exactly_and_never_leak_across_chunks(served):
     client, prompt = served.client(), prompt_text(3, 10)
     ids = served.greedy_ids(served.tokenizer(prompt).input_ids, 40)

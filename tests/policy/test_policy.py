@@ -14,7 +14,7 @@ from hf_dspark.generation import batched_speculative_generate
 from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.policy.acceptance import SlotAcceptance, SuffixAcceptance, survivals
 from hf_dspark.models.cost_table import VerificationCostTable
-from hf_dspark.policy.costs import CostModel
+from hf_dspark.policy.costs import LOAD_SMOOTHING, CostModel
 from hf_dspark.policy.planner import DRAFTER, NO_DRAFT, SUFFIX, RoundPolicy
 from lossless_checks import assert_three_tokens_match
 from batch_helpers import left_pad, plain_greedy, use_oracle
@@ -59,8 +59,26 @@ def test_measured_shapes_are_priced_as_measured_and_others_at_the_least_they_can
     assert costs.forward_seconds(2, 3) == 1.8 and costs.forward_seconds(8, 8) == 1.8
     costs.record_forward(2, 1, 0.9)  # below every shape over fewer tokens: nothing bounds it but what it cost
     assert costs.forward_seconds(2, 1) == 0.9
-    costs.record_forward(1, 1, 2.0)  # a moving average follows a change of load
-    assert costs.forward_seconds(1, 1) == pytest.approx(1.3)
+    costs.record_forward(1, 1, 2.0)  # a change of load reprices every shape, measured or not
+    load = 2.0 ** LOAD_SMOOTHING
+    assert costs.load == pytest.approx(load) and costs.forward_seconds(1, 5) == pytest.approx(1.8 * load)
+    assert costs.forward_seconds(1, 1) == pytest.approx((2.0 / load) ** 0.5 * load)  # its base: half the rest
+
+
+def test_a_burst_of_other_work_measured_on_one_shape_leaves_every_price_as_it_was_once_it_ends():
+    """A seven-fold burst while only the plain step runs, then ten quiet rounds of another shape: the plain step, not
+    run since, is priced within 15 % of its quiet price, not at the burst's (the ratio of the two shapes decides)."""
+    costs = CostModel()
+    for _ in range(40):  # quiet: both shapes known
+        costs.record_forward(16, 1, 0.10)
+        costs.record_forward(16, 2, 0.18)
+    for _ in range(8):
+        costs.record_forward(16, 1, 0.70)
+    assert costs.forward_seconds(16, 2) > 0.18 * 4  # the burst reprices the shape it did not touch too
+    for _ in range(10):
+        costs.record_forward(16, 2, 0.18)
+    assert costs.forward_seconds(16, 2) == pytest.approx(0.18, rel=0.05)
+    assert costs.forward_seconds(16, 1) == pytest.approx(0.10, rel=0.12)
 
 
 def test_a_shape_nothing_bounds_is_tried_next_and_a_table_prices_what_was_not_measured():
