@@ -43,15 +43,12 @@ class SlotAcceptance:
 
     def cover(self, slots: int) -> None:
         """Count at least `slots` slots (a later loop may draft more than earlier ones did)."""
-        missing = slots - len(self.reached)
-        if missing > 0:
-            self.reached.extend([0.0] * missing)
-            self.accepted.extend([0.0] * missing)
+        missing = max(0, slots - len(self.reached))
+        self.reached, self.accepted = self.reached + [0.0] * missing, self.accepted + [0.0] * missing
 
     def age(self) -> None:
         """A round went by."""
-        self.reached = [self.decay * count for count in self.reached]
-        self.accepted = [self.decay * count for count in self.accepted]
+        self.reached, self.accepted = [self.decay * c for c in self.reached], [self.decay * c for c in self.accepted]
 
     def record(self, verified: int, accepted: int) -> None:
         """A row verified `verified` drafts and accepted the first `accepted` of them."""
@@ -118,15 +115,14 @@ def _logit(probability: float) -> float:
 
 @dataclass
 class ConfidenceShift:
-    """The drafter's confidences as this target and this workload accept them: Platt scaling, a slope a and a shift
-    d in logit space, so that sigmoid(a logit(c) + d) tracks what verification accepts.
-
-    A head learns the acceptance of the target and data it was trained on; served elsewhere its confidences can sit far
-    from what is accepted. (a, d) is the posterior mode over the last `CALIBRATION_WINDOW` verified drafts under a
-    Gaussian prior at (1, 0), refitted by Newton steps before the confidences are next read. One pair for every slot: the rule verifies late slots only once their confidences read high, so a pair of
-    their own would never learn what the early slots show (measured at an acceptance of 0.9: per-slot shifts left the
-    slots past the second at the head's level, 0.73x verify-all at one row). Where the head does not tell accepted
-    drafts from rejected ones the slope falls towards 0. Lossless: both depend on earlier rounds only."""
+    """The drafter's confidences as this target and this workload accept them: Platt scaling, sigmoid(a logit(c) + d)
+    tracks what verification accepts (a head learns the acceptance of the target and data it was trained on; served
+    elsewhere its confidences can sit far from it). (a, d) is the posterior mode over the last `CALIBRATION_WINDOW`
+    verified drafts under a Gaussian prior at (1, 0), refitted by Newton steps before the confidences are next read.
+    One pair for every slot: the rule verifies late slots only once their confidences read high, so a pair of their
+    own would never learn what the early slots show (per-slot shifts at an acceptance of 0.9 left the slots past the
+    second at the head's level: 0.73x verify-all at one row). A head that does not tell accepted drafts from rejected
+    ones gets a slope towards 0. Lossless: both depend on earlier rounds only."""
 
     slope: float = 1.0
     shift: float = 0.0

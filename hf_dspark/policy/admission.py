@@ -78,17 +78,11 @@ def survival_of(confidences: torch.Tensor, max_lengths: torch.Tensor | None) -> 
 
 class DSparkScheduler:
     """The admission rule after drafting, on the drafter's confidences: `select_lengths(confidences, max_lengths)`
-    -> per-row verified lengths (R,), computed on the confidences' device without a host read.
-
-    Args:
-        costs: the `CostModel` that prices a round (a call's own, learnt as it runs), or a `VerificationCostTable`
-            (priced by it alone).
-        early_stop: stop at the first width that does not raise throughput (lossless); `False` takes the global
-            best (biased, for comparison only).
-        calibration: a `ConfidenceShift` the confidences are read through (a loop's, learnt from what it
-            verified); None reads them as they are.
-        acceptance: a `SlotAcceptance` (a loop's) whose rates the rule expects later slots at; None looks no
-            further than the next slot.
+    -> per-row verified lengths (R,), computed on the confidences' device without a host read. `costs`: the
+    `CostModel` that prices a round (a call's own, learnt as it runs) or a `VerificationCostTable` (priced by it
+    alone); `early_stop` False takes the global best (biased, for comparison only); `calibration`: the
+    `ConfidenceShift` the confidences are read through (None: as they are); `acceptance`: the `SlotAcceptance` whose
+    rates later slots are expected at (None: no further than the next slot).
     """
 
     def __init__(self, costs, early_stop: bool = True, calibration: ConfidenceShift | None = None,

@@ -3,6 +3,11 @@ profiled table. The admission rule prices every round with it, before drafting a
 
     F(R, W) = seconds of a target forward over R rows of W tokens (N = R * W tokens)
     D(R)    = seconds of the drafter's pass over R rows
+    O(R)    = seconds of the loop's own work between two rounds of R rows (committing, emitting, planning)
+
+Every round pays O(R), plain or drafted, so a round of width W is priced F(R, W) + O(R) (+ D(R) when it drafts):
+fewer, wider rounds save it (on this CPU about 40 ms a round at 4 rows against a 60-100 ms forward, which left the
+rule verifying three drafts where five paid 1.16x more).
 
 A shape the loop ran is priced by its base times the load now (see below). A shape never run is priced by the least it can
 cost (a forward over more tokens never costs less than one over fewer): the dearest shape measured over at most N
@@ -34,6 +39,7 @@ class CostModel:
         self.table, self.learn = table, learn
         self.forwards: dict[tuple[int, int], float] = {}  # (rows, width) -> base seconds (at a load of 1)
         self.drafts: dict[int, float] = {}  # rows -> base seconds
+        self.overheads: dict[int, float] = {}  # rows -> base seconds of O(R)
         self.load = 1.0  # how much slower than the bases every pass runs now
         self._runs: dict = {}  # (which bases, key) -> timings recorded
 
@@ -43,22 +49,24 @@ class CostModel:
     def record_draft(self, rows: int, seconds: float) -> None:
         self._record(self.drafts, rows, seconds)
 
-    def _record(self, bases: dict, key, seconds: float) -> None:
-        if not self.learn or seconds <= 0.0:
+    def record_overhead(self, rows: int, seconds: float) -> None:
+        self._record(self.overheads, rows, seconds, moves_load=False)  # Python's work: too uneven to read load by
+
+    def _record(self, bases: dict, key, seconds: float, moves_load: bool = True) -> None:
+        if not self.learn or seconds <= 0.0:  # a model that does not learn keeps its prices
             return
         runs = self._runs[id(bases), key] = self._runs.get((id(bases), key), 0) + 1
         base = bases.get(key)
         if base is None:  # a new shape: its first timing, at today's load
             bases[key] = seconds / self.load
             return
-        ratio = seconds / (base * self.load)
-        self.load *= ratio ** LOAD_SMOOTHING
+        if moves_load:
+            self.load *= (seconds / (base * self.load)) ** LOAD_SMOOTHING
         bases[key] = base * (seconds / (base * self.load)) ** max(1.0 / runs, SHAPE_SMOOTHING)
 
     def forward_seconds(self, rows: int, width: int) -> float:
-        measured = self.forwards.get((rows, width))
-        if measured is not None:
-            return measured * self.load
+        if (rows, width) in self.forwards:
+            return self.forwards[rows, width] * self.load
         tabled = self._tabled(rows, width)
         if not self.forwards:
             return tabled if tabled is not None else 1.0  # nothing known: every forward alike, until one ran
@@ -69,16 +77,21 @@ class CostModel:
         return least if tabled is None else max(least, tabled)
 
     def forward_prices(self, rows: int, widths: int) -> list[float]:
-        """F(rows, W) for W = 1..widths."""
-        return [self.forward_seconds(rows, width) for width in range(1, widths + 1)]
+        """F(rows, W) + O(rows) for W = 1..widths: a round's seconds besides drafting."""
+        overhead = self._at_most_rows(self.overheads, rows)
+        return [self.forward_seconds(rows, width) + overhead for width in range(1, widths + 1)]
 
     def draft_seconds(self, rows: int) -> float:
-        measured = self.drafts.get(rows)
-        if measured is not None:
-            return measured * self.load
+        if rows in self.drafts:
+            return self.drafts[rows] * self.load
         tabled = self.table.draft_seconds if self.table is not None else 0.0
-        below = [seconds * self.load for r, seconds in self.drafts.items() if r <= rows]
-        return max(below + [tabled])
+        return max(self._at_most_rows(self.drafts, rows), tabled)
+
+    def _at_most_rows(self, bases: dict, rows: int) -> float:
+        """Seconds for `rows` rows: as measured, else at least the dearest measured over fewer (0 with none)."""
+        measured = bases.get(rows)
+        below = [seconds for r, seconds in bases.items() if r <= rows]
+        return self.load * (measured if measured is not None else max(below, default=0.0))
 
     def _tabled(self, rows: int, width: int) -> float | None:
         if self.table is None:

@@ -40,21 +40,12 @@ class RoundPlan:
 
 
 class RoundPolicy:
-    """A loop's policy: `plan` before each round, `record` after it (see the module).
-
-    Args:
-        draft_length: the most tokens a row proposes in a round.
-        planning: False drafts every row's whole budget every round (`dspark_round_planning=False`).
-        suffix_acceptance: what suffix proposals achieve (None: no suffix drafting).
-        drafter_acceptance: what the drafter's slots achieve, learnt into (a `DraftingState`'s, so later calls
-            start from it).
-        costs: the `CostModel` prices come from, learnt into.
-        seed: the random stream of the Thompson draws.
-        calibration: the `ConfidenceShift` the admission rule after drafting reads the confidences through, learnt
-            into from the verified drafts' confidences.
-        clock: what the passes are timed by (a simulation's own clock).
-        rule: the `DraftLengthRule` that decides after drafting how many of a drafter row's slots it verifies
-            (None: every planned slot).
+    """A loop's policy: `plan` before each round, `record` after it (see the module). `draft_length`: the most tokens
+    a row proposes; `planning` False drafts every row's whole budget every round; `suffix_acceptance` (None: no suffix
+    drafting) and `drafter_acceptance` (a `DraftingState`'s, so later calls start from it) are learnt into, as is
+    `costs` (the `CostModel`) and `calibration` (the `ConfidenceShift` the rule after drafting reads confidences
+    through); `seed` starts the Thompson draws' stream; `clock` times the passes (a simulation's own); `rule` is the
+    `DraftLengthRule` that decides after drafting how many of a drafter row's slots it verifies.
     """
 
     def __init__(self, draft_length: int, *, planning: bool, costs: CostModel,
@@ -71,6 +62,7 @@ class RoundPolicy:
         self.requests: dict[int, SuffixProposer] = {}  # each request's suffix proposer over its text
         self.proposals: dict[int, tuple[list[int], int]] = {}  # this round's suffix proposals (tokens, match)
         self._started = 0.0
+        self._recorded: tuple[int, float] | None = None  # the last round's rows and when its outcome was read
 
     def forget(self, request_id: int) -> None:
         self.requests.pop(request_id, None)
@@ -81,6 +73,9 @@ class RoundPolicy:
         """This round's plan; starts the round's clock. `explore` False prices the drafter by its posterior mean
         instead of a draw (for tests and comparisons)."""
         self._started = self.clock()
+        if self._recorded is not None:  # the loop's own work since the last round: O(R)
+            self.costs.record_overhead(self._recorded[0], self._started - self._recorded[1])
+            self._recorded = None
         rows = len(budgets)
         if not self.planning:
             drafting = drafter_possible and max(budgets, default=0) > 0
@@ -129,13 +124,16 @@ class RoundPolicy:
         rate = expected[width - 1] / (prices[width - 1] + (draft_seconds if use_drafter else 0.0))
         return RoundPlan(use_drafter, sources, lengths, rate)
 
+    def interrupt(self) -> None:
+        """What runs before the next round is not the loop's per-round work (a prefill, a wait): not O(R)."""
+        self._recorded = None
+
     def drafted(self) -> float:
         """The drafter's pass is done (its outcome read on the host): returns the time, the verification's start."""
         return self.clock()
 
-    def record(self, plan: RoundPlan, request_ids: list[int], lengths: list[int], accepted: list[int],
-               width: int, verification_started: float, draft_timed: bool = True,
-               confidences: list[list[float] | None] | None = None) -> None:
+    def record(self, plan: RoundPlan, request_ids: list[int], lengths: list[int], accepted: list[int], width: int,
+               verification_started: float, draft_timed: bool = True, confidences: list | None = None) -> None:
         """The round's outcome (host values): the drafter rows' acceptance (and their verified slots' confidences,
         where the drafter has a head) and the passes' seconds (the drafter's only when `draft_timed`: a pass that
         also caught up on a whole prompt costs what later rounds do not)."""
@@ -144,6 +142,7 @@ class RoundPolicy:
         if plan.use_drafter and draft_timed:
             self.costs.record_draft(rows, verification_started - self._started)
         self.costs.record_forward(rows, width, finished - verification_started)
+        self._recorded = rows, finished
         self.acceptance.age()
         for row, (source, length, count) in enumerate(zip(plan.sources, lengths, accepted)):
             if source == DRAFTER and length > 0:

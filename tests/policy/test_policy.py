@@ -225,6 +225,34 @@ def test_the_width_stops_where_the_next_slot_costs_more_than_it_brings():
     assert {tuple(p.lengths) for p in plans(policy, rows=1, explore=False, count=5)} == {(1,)}
 
 
+def test_the_loops_own_work_between_rounds_is_priced_into_every_round_and_widens_it():
+    """O(R), the loop's seconds between two rounds, is paid by every round: with the prices above and O = 2 forwards,
+    width 3 emits 1.75 for 3.6 (0.486 a second) against width 2's 1.5 for 3.3 (0.455): two drafts, not one."""
+    costs = priced(lambda r, w: 1.0 + 0.3 * (w - 1))
+    costs.overheads[1] = 2.0
+    assert costs.forward_prices(1, 2) == pytest.approx([3.0, 3.3])
+    policy = RoundPolicy(4, planning=True, costs=costs, drafter_acceptance=known(0.5, slots=4, rounds=10**4))
+    assert {tuple(p.lengths) for p in plans(policy, rows=1, explore=False, count=5)} == {(2,)}
+
+
+def test_the_policy_times_the_loops_work_between_rounds_but_not_a_prefill():
+    now = [0.0]
+    policy = RoundPolicy(4, planning=True, costs=CostModel(), clock=lambda: now[0])
+    text = [Text([2, 3, 4, 5])]
+    for start, interrupted in ((0.0, False), (10.0, False), (20.0, True), (30.0, False)):
+        now[0] = start
+        plan = policy.plan([0], text, [4])
+        now[0] = start + 1.0
+        started = policy.drafted()
+        now[0] = start + 3.0
+        policy.record(plan, [0], [0], [0], 1, started)
+        if interrupted:
+            policy.interrupt()
+    # Between rounds: 7 s twice (the first and the second gap), the third gap (a prefill) not counted.
+    assert policy.costs.overheads == {1: pytest.approx(7.0)}
+    assert policy.costs._runs[id(policy.costs.overheads), 1] == 2
+
+
 def test_each_row_takes_its_better_proposer_and_a_suffix_round_skips_the_drafter():
     suffix = SuffixAcceptance(prior_accepted=99.0, prior_rejected=1.0)  # suffix matches that are always right
     repeating = Text([5, 6, 7, 8, 5, 6, 7])  # proposes 8 5 6 7 after "5 6 7"

@@ -273,6 +273,8 @@ class SpeculativeEngine:
         snapshot = EngineSnapshot.take(self._waiting, self._rows, self._requests, self._parked,
                                        len(self.verified_tokens_per_round))
         try:
+            if self._waiting and self.round_policy is not None:
+                self.round_policy.interrupt()  # a prefill comes before the next round: not the loop's per-round work
             finished = self._admit_waiting()
             if self.num_running:
                 finished += self._plain_round() if self.plain else self._round()
