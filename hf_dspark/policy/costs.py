@@ -6,11 +6,10 @@ profiled table. The admission rule prices every round with it, before drafting a
     O(R)    = seconds of the loop's own work between two rounds of R rows (committing, emitting, planning)
 
 Every round pays O(R), plain or drafted, so a round of width W is priced F(R, W) + O(R) (+ D(R) when it drafts):
-fewer, wider rounds save it (on this CPU about 40 ms a round at 4 rows against a 60-100 ms forward, which left the
-rule verifying three drafts where five paid 1.16x more).
+fewer, wider rounds save it (small on this CPU: about 5 ms a round at 4 rows against a 60-100 ms forward).
 
-A shape the loop ran is priced by its base times the load now (see below). A shape never run is priced by the least it can
-cost (a forward over more tokens never costs less than one over fewer): the dearest shape measured over at most N
+A shape the loop ran is priced by its base times the load now (see below). A shape never run is priced by the least
+it can cost (a forward over more tokens never costs less than one over fewer): the dearest shape measured over at most N
 tokens, next to nothing with none, and at least a profiled table's price: a shape is tried once while its least price
 could win, then priced by what it cost (a line through the measured shapes, which prices a convex curve's middle
 high, gave 0.92x the best fixed width at 64 rows in the GPU-shaped simulation, against 0.98x). D(R) likewise.

@@ -143,12 +143,12 @@ def _openai_router(state: ServerState) -> APIRouter:
         prompt = _chat_prompt(state.model.tokenizer, body.messages(), "input")
         generation = _generation(state, body, [_checked_prompt(state, prompt, "input")])
         answer = ResponseAnswer(state.model.name, body)
-        headers = {"x-request-id": request.headers.get("x-request-id") or answer.id}
         if body.stream:
-            return EventStream(answer.events(generation), generation.close, headers=headers)
+            return _stream(generation, request, answer, answer.events(generation))
         if not await _collect(generation, request):
             return Response(status_code=499)
-        return JSONResponse(answer.whole(generation).model_dump(exclude_none=True), headers=headers)
+        return JSONResponse(answer.whole(generation).model_dump(exclude_none=True),
+                            headers=_request_id(request, answer))
 
     return router
 
@@ -212,7 +212,7 @@ def _generation(state: ServerState, body, prompts: list[list[int]], prefixes: li
     return generation
 
 
-def _request_id(request: Request, builder: ResponseBuilder) -> dict:
+def _request_id(request: Request, builder: ResponseBuilder | ResponseAnswer) -> dict:
     return {"x-request-id": request.headers.get("x-request-id") or builder.id}
 
 
@@ -237,7 +237,8 @@ async def _collect(generation: Generation, request: Request) -> bool:
     return True
 
 
-def _stream(generation: Generation, request: Request, builder: ResponseBuilder, events) -> EventStream:
+def _stream(generation: Generation, request: Request, builder: ResponseBuilder | ResponseAnswer,
+            events) -> EventStream:
     return EventStream(events, generation.close, headers=_request_id(request, builder))
 
 
