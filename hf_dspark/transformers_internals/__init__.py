@@ -11,10 +11,13 @@ Modules, the private names each touches, and why:
 * `cache_layers`: the engine's target cache and the static-cache runner. `cache.layers` and a layer's
   `keys` / `values` / `is_initialized`, replaced (never written into) by `crop` / `batch_select_indices`
   (`GrowingLayer` appends in place, the undo keeps references); `StaticLayer(max_cache_len=...)` and the model's
-  `_previous_max_cache_length` (`use_static_layers`: `generate` sizes its next static cache from it); a config's
-  `_attn_implementation_internal` and a model's `_supports_sdpa` (`mask_taking_attention` swaps flash attention for
-  sdpa while a forward runs); `inspect.getsource` of a decoder's `forward` (`takes_mask_mapping`: does it take ready
+  `_previous_max_cache_length` (`use_static_layers`: `generate` sizes its next static cache from it);
+  `inspect.getsource` of a decoder's `forward` (`takes_mask_mapping`: does it take ready
   masks per layer type?). Checked by `internals_problems`.
+* `attention`: the attention the engine's forwards run. A config's `_attn_implementation_internal` and a model's
+  `_supports_sdpa` (`mask_taking_attention` swaps in, while a forward runs, transformers' sdpa with torch's
+  grouped-query kernel where it is exact, registered through `AttentionInterface`); `sdpa_attention_forward` and
+  `sdpa_mask`. Checked by `attention_problems`.
 * `recurrent_states`: a hybrid target's recurrent and convolution layers (`conv_states`, `recurrent_states`,
   `recurrent_states_history`, `record_past`, `DummyLayer`, `Cache.activate_past_recording(recurrent_states_to_keep=)`),
   picked per row after a round. Checked by `state_problems` on a tiny hybrid model.
@@ -40,7 +43,8 @@ Those are definitions transformers reads, not uses of its internals, and only th
 # The private transformers names this package uses (the AST test refuses each of them anywhere else).
 PRIVATE_NAMES = frozenset({
     "_assisted_decoding", "_validate_generation_mode", "_extract_generation_mode_kwargs",  # generate_hooks
-    "_attn_implementation_internal", "_supports_sdpa", "_previous_max_cache_length",  # cache_layers
+    "_attn_implementation_internal", "_supports_sdpa",  # attention
+    "_previous_max_cache_length",  # cache_layers
     "_pad_token_tensor", "_prepare_special_tokens", "_attn_implementation", "_supports_logits_to_keep",  # accessors
     "_valid_auto_compile_criteria", "_optimize_model_for_decode", "_is_stateful", "_name_or_path",
     "_getattr_without_heterogeneous_validation",

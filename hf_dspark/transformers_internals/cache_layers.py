@@ -14,9 +14,6 @@ What is relied on (transformers 5.24):
   `_previous_max_cache_length`;
 * a hybrid target's recurrent and convolution layers: what is relied on is listed in `recurrent_states`, which
   handles them (the engine keeps them as they are beside its `GrowingLayer`s; they have no holes);
-* attention layers look their function up from `config._attn_implementation` at every forward (the attribute
-  `_attn_implementation_internal` of the config and of each of its `sub_configs`), so `mask_taking_attention` can
-  swap it for the length of a forward.
 
 `GrowingLayer` is the engine's target-cache layer: a `DynamicLayer` whose keys and values are views of a buffer with
 spare columns, so a decoding step writes its entries in place instead of copying the whole cache with `torch.cat`
@@ -29,7 +26,6 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, LlamaConfig
@@ -124,40 +120,6 @@ def _runs(columns: list[int]) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------------------------------------------------------
 # Cache layers as the engine uses them
 # ------------------------------------------------------------------------------------------------------------------
-
-
-MASK_TAKING_ATTENTION = ("sdpa", "eager")  # implementations that take an arbitrary 4D mask, the engine's holes
-
-
-def _configs(config) -> list:
-    """`config` and every config nested in it (`sub_configs`), each once."""
-    found, stack = [], [config]
-    while stack:
-        current = stack.pop()
-        if current is None or any(current is seen for seen in found):
-            continue
-        found.append(current)
-        stack.extend(getattr(current, name, None) for name in getattr(current, "sub_configs", {}) or {})
-    return found
-
-
-@contextmanager
-def mask_taking_attention(model):
-    """Inside, `model`'s attention layers run an implementation that takes the engine's 4D masks: sdpa (eager for a
-    model without sdpa) where the model was loaded with one that does not (flash attention takes padding as sequence
-    lengths, not holes). The same attention, computed by another kernel; each config's own setting is restored on
-    exit, whatever happens inside. Several threads sharing one model see the swap while a forward runs."""
-    key = "_attn_implementation_internal"
-    swapped = [c for c in _configs(model.config) if c.__dict__.get(key) not in (None, *MASK_TAKING_ATTENTION)]
-    saved = [config.__dict__[key] for config in swapped]
-    replacement = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
-    try:
-        for config in swapped:
-            config.__dict__[key] = replacement
-        yield
-    finally:
-        for config, value in zip(swapped, saved):
-            config.__dict__[key] = value
 
 
 def growing_cache(config) -> DynamicCache | None:

@@ -16,10 +16,13 @@ import torch
 import transformers
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_dspark.transformers_internals as transformers_internals_package
 from hf_dspark.transformers_internals import MODEL_DECLARATIONS, PRIVATE_NAMES
+from hf_dspark.transformers_internals import attention
 from hf_dspark.transformers_internals import cache_layers as internals
+from hf_dspark.transformers_internals.attention import mask_taking_attention
 from hf_dspark.transformers_internals.accessors import accessor_problems
 from hf_dspark.transformers_internals.cache_layers import GrowingLayer
 from hf_dspark.transformers_internals.trainer_hooks import trainer_problems
@@ -119,6 +122,45 @@ def test_row_and_column_selection_stacking_and_undo():
     assert torch.equal(layer.keys, keys) and torch.equal(layer.values, -keys)
     row = internals.row_entries(SimpleNamespace(layers=[layer]), 1, torch.tensor([1, 4]))
     assert torch.equal(row[0][0], keys[1:2, :, [1, 4]])
+
+
+def test_installed_transformers_keeps_what_the_grouped_attention_relies_on():
+    assert attention.attention_problems() == []
+
+    def transposed(module, query, key, value, attention_mask, **kwargs):  # a release that returns (B, H, Q, D)
+        output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return output.transpose(1, 2), None
+
+    def renamed(module, query, key, value, mask, dropout=0.0, scale=None):  # a release that renamed its arguments
+        raise AssertionError("unreachable")
+
+    assert "differs" in attention.attention_problems(reference=transposed)[0]
+    assert "no longer works as called" in attention.attention_problems(reference=renamed)[0]
+
+
+def test_the_engines_attention_computes_transformers_sdpa_without_copying_key_value_heads(monkeypatch):
+    """A verification forward (several queries per row, holes in the cache) under `mask_taking_attention` gives
+    exactly the logits of transformers' sdpa, without `repeat_kv` (the copy it exists to avoid)."""
+    import transformers.integrations.sdpa_attention as transformers_sdpa
+
+    target = tiny_target("llama")
+    assert target.config.num_key_value_heads < target.config.num_attention_heads
+    ids = prompts(3, length=9)
+    batch = torch.cat([p[:, :9] for p in ids])
+    valid = torch.ones(3, 9, dtype=torch.long)
+    valid[0, 2] = valid[1, 5] = valid[2, :3] = 0  # holes and left padding, as the engine's caches have
+    positions = (valid.cumsum(dim=1) - 1).clamp_min(0)
+    with torch.no_grad():
+        expected = target(batch, attention_mask=valid, position_ids=positions).logits
+        copies = []
+        repeat_kv = transformers_sdpa.repeat_kv
+        monkeypatch.setattr(transformers_sdpa, "repeat_kv", lambda *args: copies.append(1) or repeat_kv(*args))
+        with mask_taking_attention(target):
+            logits = target(batch, attention_mask=valid, position_ids=positions).logits
+    assert copies == []
+    real = valid.bool()
+    assert torch.equal(logits[real], expected[real])
+    assert target.config._attn_implementation == "sdpa"
 
 
 def test_static_layers_are_given_and_generate_is_told_their_length():

@@ -1,6 +1,7 @@
 """Targets loaded with an attention implementation that cannot take the engine's hole masks (flash attention, or a
-function a user registered) decode in batches: the engine's forwards run sdpa for them, the rows are each prompt's
-own greedy output, and the model's own setting is back after the call, whatever happened inside."""
+function a user registered) decode in batches: the engine's forwards run sdpa for them (transformers' own, with
+torch's grouped-query kernel on the CPU), the rows are each prompt's own greedy output, and the model's own setting is
+back after the call, whatever happened inside."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from hf_dspark.transformers_internals.cache_layers import mask_taking_attention
+from hf_dspark.transformers_internals.attention import GROUPED_SDPA, mask_taking_attention
 from factories import prompts, tiny_drafter, tiny_target
 from batch_helpers import left_pad
 from batch_helpers import unpadded_rows
@@ -48,7 +49,7 @@ def test_the_attention_setting_is_restored_when_a_forward_fails():
     target.set_attn_implementation("counting_sdpa")
     with pytest.raises(RuntimeError, match="inside"):
         with mask_taking_attention(target):
-            assert target.config._attn_implementation == "sdpa"
+            assert target.config._attn_implementation == GROUPED_SDPA
             raise RuntimeError("inside")
     assert target.config._attn_implementation == "counting_sdpa"
     target.set_attn_implementation("eager")

@@ -16,7 +16,8 @@ from ...models.layers import DraftContextCache
 from ...models.modeling_dspark import DSparkDraftModel
 from ...models.modeling_eagle3 import Eagle3DraftModel
 from ...transformers_internals.accessors import supports_logits_to_keep
-from ...transformers_internals.cache_layers import cache_layers, crop_entries, mask_taking_attention, stack_layer_rows
+from ...transformers_internals.attention import mask_taking_attention
+from ...transformers_internals.cache_layers import cache_layers, crop_entries, stack_layer_rows
 from ...transformers_internals.recurrent_states import has_recurrent_layers, keep_recurrent_states, keep_states_after
 from .rows import BatchRows
 from ..round.drafting import Drafts, to_device
