@@ -12,6 +12,13 @@ handed over (`stash`, which the benchmark wires to the drafting pass), `confiden
 (the *confidence-informed* form: the head's ranking then says which drafts survive, and the schedule has something
 to find). A plain step (one token) has no position to force, so plain decoding is the target's own.
 
+Common random numbers: whether the proposal for a position is forced is a fixed function of the oracle's seed and that
+position in the text (a table of coins drawn once per seed, not a stream), whatever is proposed there and in which
+round. Every method run with one seed then meets the same coin at every position: a method that verifies k drafts from
+an anchor accepts the run of forced positions after it, up to k, so methods differ by what they verify and what it
+costs, not by their luck (with one stream a forcing method's rate swung by half between repeats at R = 4). Rows whose
+prompts have equal lengths share their coins; that correlates them, and changes no row's acceptance probabilities.
+
 `never_end`: the end-of-sequence tokens' logits are lowered below every row's minimum at every position, and a
 proposed end token is never forced, so every method emits exactly `max_new_tokens` per row. The target is then
 "the target that never ends", the same for plain decoding and every policy; without it, where a forced draft ends
@@ -25,13 +32,17 @@ import time
 
 import torch
 
+POSITIONS = 1 << 16  # coins drawn per seed; a longer text reuses them from the start
+
 
 class AcceptanceOracle:
     def __init__(self, target, acceptance: float, seed: int = 0, confidence_map=None, never_end: bool = False):
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance must be a probability in [0, 1], got {acceptance}")
         self.target, self.acceptance, self.confidence_map = target, acceptance, confidence_map
-        self.generator = torch.Generator(device=target.device).manual_seed(seed)
+        # One coin per position of a text (common random numbers, above), drawn once for this seed.
+        generator = torch.Generator(device=target.device).manual_seed(seed)
+        self.coins = torch.rand(POSITIONS, generator=generator, device=target.device)
         self.clock = None  # when set (benchmarks/gpu/check.py), the rewrite's seconds go to its "oracle" phase
         self._handle = None
         ends = target.generation_config.eos_token_id if never_end else None
@@ -81,7 +92,8 @@ class AcceptanceOracle:
             rows = logits[:, :forceable]
             following = input_ids[:, first + 1 :][..., None]
             chance = self._probabilities(following.shape[:2])
-            hit = torch.rand(following.shape[:2], device=logits.device, generator=self.generator) < chance
+            positions = _positions(kwargs, input_ids)[:, first + 1 :]
+            hit = self.coins[positions % POSITIONS] < chance
             if self._ends is not None:
                 hit &= ~torch.isin(following[..., 0], self._ends)
             top = rows.amax(dim=-1)
@@ -97,3 +109,15 @@ class AcceptanceOracle:
                 torch.cuda.synchronize(logits.device)
             self.clock.add("oracle", time.perf_counter() - started)
         return None
+
+
+def _positions(kwargs, input_ids) -> torch.Tensor:
+    """Each input token's position in its text: the forward's `position_ids` (the batched engine passes them), else
+    (one prompt on a cropped cache) counted from the cache's length, which already holds this forward's tokens."""
+    given = kwargs.get("position_ids")
+    if given is not None:
+        return given.expand_as(input_ids)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    length = input_ids.shape[1]
+    start = cache.get_seq_length() - length if cache is not None else 0
+    return (start + torch.arange(length, device=input_ids.device)).expand_as(input_ids)

@@ -11,10 +11,11 @@ accepted with probability A), `confidence` (accepted with probability sigmoid(2 
 drafter's own confidence c for that slot, m the mean logit of its confidences: the head's ranking says which drafts
 survive, on average A) and `miscalibrated` (the same with slope 0.5: the head's spread is twice the truth's). Each
 cell (form, A, R) runs R held-out chat prompts (the mix of `batched_user_path.py`) through `target.generate` with
-every method, interleaved (the order rotated each repeat), best of `--repeats` tokens/s per method, and beside it
-the comparison paired by repeat (each repeat's oracle stream is the same for every method: a lucky stream speeds
-them all), the spread of the repeats recorded. The oracle's target never ends (`--ends` lets it): every
-method emits the same tokens, so a run's rate is its seconds, not where a forced draft happened to end a row.
+every method, interleaved (the order rotated each repeat), best of `--repeats` tokens/s per method, and beside it the
+comparison paired by repeat (the oracle's coins are keyed, `oracle.AcceptanceOracle.coins`, by the repeat's seed and
+the position: within a repeat every method meets the same coin at every position of every row), the spread of the
+repeats recorded. The oracle's target never ends (`--ends` lets it): every method emits the same tokens, so a run's
+rate is its seconds, not where a forced draft happened to end a row.
 
 * `plain`: plain batched `generate` (a plain step has nothing to force: the target's own decoding);
 * `all`, `fixed-k`, `threshold`: fixed policies (`dspark_round_planning=False`, `dspark_verification_policy=`
