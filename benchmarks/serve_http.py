@@ -12,11 +12,14 @@ and settings. Loads: Poisson arrivals at `--rates` requests/s (the same exponent
 then a closed loop at each `--concurrency` (that many clients, each sending its next request when its last one
 ends), `--requests` chat prompts of mixed lengths (held-out math, code and chat first turns) per load.
 
+`--repeats` passes over every method (a fresh server each, the order rotated), each pass's runs in the table and
+`dspark` against each other method paired by pass (the median ratio and every pass's).
+
 Per method and load: completed and failed requests, time to first token and inter-token latency (the gaps between
 streamed chunks, as `vllm bench serve`; a chunk may carry several tokens) p50 / p99, end-to-end latency, per-user
 tokens/s (a request's tokens / (its end - its arrival)) and aggregate tokens/s (all tokens / (last end - first
 arrival)). Written: `--output` JSON, a .md beside it and a Pareto plot (.png: per-user against aggregate tokens/s,
-one line per method across the loads).
+one line per method across the loads, medians over the passes).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +49,8 @@ parser.add_argument("--concurrency", default="1,4,16", help="closed-loop client 
 parser.add_argument("--requests", type=int, default=16, help="requests per load")
 parser.add_argument("--max-tokens", type=int, default=64)
 parser.add_argument("--threads", type=int, default=2)
+parser.add_argument("--repeats", type=int, default=1,
+                    help="passes over every method (each a fresh server; the order rotated pass by pass)")
 parser.add_argument("--startup-timeout", type=float, default=600)
 parser.add_argument("--output", default="benchmarks/serve-http/results.json")
 add_prompt_arguments(parser, max_prompt_tokens=384)
@@ -173,28 +179,54 @@ def summarise(method: str, load: str, records: list[dict], tokenizer) -> dict:
 
 def identical_to_dspark(runs: list[dict]) -> dict:
     """Per method, how many of its greedy answers equal `dspark`'s to the same prompt under the same load."""
-    reference = {r["load"]: r["texts"] for r in runs if r["method"] == "dspark"}
+    reference = {(r["load"], r.get("repeat", 0)): r["texts"] for r in runs if r["method"] == "dspark"}
     counts = {}
     for run in runs:
-        if run["method"] == "dspark" or run["load"] not in reference:
+        key = (run["load"], run.get("repeat", 0))
+        if run["method"] == "dspark" or key not in reference:
             continue
         same, total = counts.get(run["method"], (0, 0))
-        pairs = list(zip(run["texts"], reference[run["load"]]))
+        pairs = list(zip(run["texts"], reference[key]))
         counts[run["method"]] = (same + sum(a is not None and a == b for a, b in pairs), total + len(pairs))
     return {method: f"{same}/{total}" for method, (same, total) in counts.items()}
+
+
+def ratio_lines(runs: list[dict]) -> list[str]:
+    """`dspark` against each other method, load by load, paired by pass: aggregate and mean per-user tokens/s, each
+    pass's ratio and their median (the comparison the issue's Must asks, with its spread)."""
+    by = {(r["method"], r["load"], r.get("repeat", 0)): r for r in runs}
+    loads = list(dict.fromkeys(r["load"] for r in runs))
+    others = [m for m in dict.fromkeys(r["method"] for r in runs) if m != "dspark"]
+    rows = []
+    for load in loads:
+        for other in others:
+            pairs = [(by[("dspark", load, k)], theirs) for (m, l, k), theirs in by.items()
+                     if m == other and l == load and ("dspark", load, k) in by]
+            if not pairs:
+                continue
+            cells = [load, other]
+            for metric in ("aggregate_tokens_per_s", "per_user_tokens_per_s_mean"):
+                ratios = [mine[metric] / theirs[metric] for mine, theirs in pairs]
+                cells.append(f"{statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})")
+            rows.append(cells)
+    if not rows:
+        return []
+    return ["", "`dspark` / the other method, paired by pass: median (each pass)", ""] + md_table(
+        ["load", "against", "aggregate tok/s", "per-user tok/s (mean)"], rows)
 
 
 def report(results: dict) -> list[str]:
     lines = [f"# HTTP serving benchmark ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"Command: `{results['command']}`", "", f"Environment: {results['environment']}", ""]
-    header = ["load", "method", "ok / failed", "TTFT p50 / p99 s", "ITL p50 / p99 ms", "e2e p50 / p99 s",
+    header = ["load", "method", "pass", "ok / failed", "TTFT p50 / p99 s", "ITL p50 / p99 ms", "e2e p50 / p99 s",
               "per-user tok/s (mean)", "aggregate tok/s"]
-    rows = [[r["load"], r["method"], f"{r['completed']} / {r['failed']}",
+    rows = [[r["load"], r["method"], r.get("repeat", 0) + 1, f"{r['completed']} / {r['failed']}",
              f"{fmt(r['ttft_p50_s'])} / {fmt(r['ttft_p99_s'])}",
              f"{fmt(1000 * r['itl_p50_s'], 1)} / {fmt(1000 * r['itl_p99_s'], 1)}",
              f"{fmt(r['e2e_p50_s'])} / {fmt(r['e2e_p99_s'])}", fmt(r["per_user_tokens_per_s_mean"]),
              fmt(r["aggregate_tokens_per_s"])] for r in results["runs"]]
     lines += md_table(header, rows)
+    lines += ratio_lines(results["runs"])
     for method, reason in results["not_run"].items():
         lines += ["", f"`{method}` did not run: {reason}"]
     same = results.get("identical_to_dspark")
@@ -214,9 +246,13 @@ def plot(results: dict, path: Path) -> None:
         return
     figure, axis = plt.subplots(figsize=(7, 5))
     for method in {r["method"] for r in results["runs"]}:
-        runs = sorted((r for r in results["runs"] if r["method"] == method), key=lambda r: r["aggregate_tokens_per_s"])
-        axis.plot([r["aggregate_tokens_per_s"] for r in runs], [r["per_user_tokens_per_s_mean"] for r in runs],
-                  marker="o", label=method)
+        loads = {}
+        for r in results["runs"]:
+            if r["method"] == method:
+                loads.setdefault(r["load"], []).append(r)
+        points = sorted((statistics.median(r["aggregate_tokens_per_s"] for r in runs),
+                         statistics.median(r["per_user_tokens_per_s_mean"] for r in runs)) for runs in loads.values())
+        axis.plot([x for x, _ in points], [y for _, y in points], marker="o", label=method)
     axis.set_xlabel("aggregate tokens/s")
     axis.set_ylabel("per-user tokens/s (mean)")
     axis.set_title("HTTP serving, SmolLM2-135M-Instruct, CPU")
@@ -236,23 +272,29 @@ def main() -> None:
     output = Path(args.output)
     results = {"command": command_line(), "git": git_state(), "environment": environment(args.threads),
                "settings": vars(args), "runs": [], "not_run": {}}
-    for method in methods:
-        try:
-            process, url, log = start_server(method, str(default_target_dir()))
-        except RuntimeError as error:
-            results["not_run"][method] = str(error)
-            continue
-        model = "HuggingFaceTB/SmolLM2-135M-Instruct" if method in ("dspark", "plain") else str(default_target_dir())
-        try:
-            asyncio.run(closed_loop(url, model, texts[:2], 1))  # warm-up: first forwards, kernel choices
-            loads = [(f"poisson {rate:g}/s", poisson_load(url, model, texts, [a / rate for a in unit]))
-                     for rate in rates] + [(f"closed {c}", closed_loop(url, model, texts, c)) for c in concurrencies]
-            for load, run in loads:
-                print(f"== {method}: {load}", file=sys.stderr, flush=True)
-                results["runs"].append(summarise(method, load, asyncio.run(run), tokenizer))
-                write_report(output, results, report(results))
-        finally:
-            stop_server(process)
+    for repeat in range(args.repeats):
+        for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
+            if method in results["not_run"]:
+                continue
+            try:
+                process, url, log = start_server(method, str(default_target_dir()))
+            except RuntimeError as error:
+                results["not_run"][method] = str(error)
+                continue
+            model = ("HuggingFaceTB/SmolLM2-135M-Instruct" if method in ("dspark", "plain")
+                     else str(default_target_dir()))
+            try:
+                asyncio.run(closed_loop(url, model, texts[:2], 1))  # warm-up: first forwards, kernel choices
+                loads = ([(f"poisson {rate:g}/s", poisson_load(url, model, texts, [a / rate for a in unit]))
+                          for rate in rates] + [(f"closed {c}", closed_loop(url, model, texts, c))
+                                                for c in concurrencies])
+                for load, run in loads:
+                    print(f"== pass {repeat + 1}/{args.repeats}, {method}: {load}", file=sys.stderr, flush=True)
+                    results["runs"].append({**summarise(method, load, asyncio.run(run), tokenizer),
+                                            "repeat": repeat})
+                    write_report(output, results, report(results))
+            finally:
+                stop_server(process)
     results["identical_to_dspark"] = identical_to_dspark(results["runs"])
     md = write_report(output, results, report(results))
     plot(results, output.with_suffix(".png"))
