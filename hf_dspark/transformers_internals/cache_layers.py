@@ -87,11 +87,12 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
 
     def _in_buffer(self) -> bool:
-        """Whether `keys` is still a prefix view of the buffer (a transformers method may have replaced it)."""
-        buffer = self.key_buffer
-        return (buffer is not None and self.keys._base is buffer and self.values._base is self.value_buffer
-                and self.keys.storage_offset() == 0 and self.keys.shape[:2] == buffer.shape[:2]
-                and self.keys.stride() == buffer.stride())
+        """Whether `keys` is still a prefix view of the buffer (a transformers method may have replaced it). Read
+        from storage and strides, not `_base`: under `torch.inference_mode()` (a server's engine thread) views
+        record no base, and a check on it copied the whole cache at every step (10 % of a server's time)."""
+        return all(buffer is not None and _same_storage(tensor, buffer) and tensor.storage_offset() == 0
+                   and tensor.shape[:2] == buffer.shape[:2] and tensor.stride() == buffer.stride()
+                   for tensor, buffer in ((self.keys, self.key_buffer), (self.values, self.value_buffer)))
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -104,6 +105,10 @@ class GrowingLayer(DynamicLayer):
         self.value_buffer[:, :, length : length + new] = value_states
         self._view(length + new)
         return self.keys, self.values
+
+
+def _same_storage(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
 
 
 def _runs(columns: list[int]) -> list[tuple[int, int]]:

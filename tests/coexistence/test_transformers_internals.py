@@ -106,6 +106,27 @@ def test_growing_layers_give_the_dynamic_caches_logits_and_append_in_place():
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_growing_layers_append_in_place_under_inference_mode_too(mode):
+    """A server's engine thread runs under `torch.inference_mode()`, where views record no `_base`: the layer must
+    still see its keys as a view of its buffer and write the next entries in place (it copied the whole cache at
+    every step when it asked `_base`)."""
+    layer = GrowingLayer()
+    with mode():
+        layer.update(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))
+        buffer, values = layer.key_buffer, layer.value_buffer
+        for step in range(GrowingLayer.spare - 1):
+            keys, _ = layer.update(torch.full((2, 3, 1, 4), float(step)), torch.zeros(2, 3, 1, 4))
+            assert layer.key_buffer is buffer and layer.value_buffer is values
+        assert keys.shape[2] == 5 + GrowingLayer.spare - 1 and torch.equal(keys[:, :, -1], buffer[:, :, keys.shape[2] - 1])
+        layer.crop(-2)  # transformers' own method slices: still a view of the buffer
+        layer.update(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4))
+        assert layer.key_buffer is buffer
+        layer.keys = layer.keys.clone()  # replaced by another tensor: the next update takes a new buffer
+        layer.update(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4))
+        assert layer.key_buffer is not buffer
+
+
 def test_row_and_column_selection_stacking_and_undo():
     layer = GrowingLayer()
     keys = torch.arange(3 * 2 * 5 * 4, dtype=torch.float32).reshape(3, 2, 5, 4)
