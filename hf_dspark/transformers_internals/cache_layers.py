@@ -90,8 +90,7 @@ class GrowingLayer(DynamicLayer):
         """Whether `keys` is still a prefix view of the buffer (a transformers method may have replaced it). Read
         from storage and strides, not `_base`: under `torch.inference_mode()` (a server's engine thread) views
         record no base, and a check on it copied the whole cache at every step (10 % of a server's time)."""
-        return all(buffer is not None and _same_storage(tensor, buffer) and tensor.storage_offset() == 0
-                   and tensor.shape[:2] == buffer.shape[:2] and tensor.stride() == buffer.stride()
+        return all(buffer is not None and is_prefix_view(tensor, buffer, dim=2)
                    for tensor, buffer in ((self.keys, self.key_buffer), (self.values, self.value_buffer)))
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -107,8 +106,13 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def _same_storage(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
-    return tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+def is_prefix_view(view: torch.Tensor, buffer: torch.Tensor, dim: int) -> bool:
+    """Whether `view` is `buffer`'s first columns along `dim` (every other dimension whole), so that appending
+    writes the columns after it. Read from storage, offset and strides, never `_base`: views made under
+    `torch.inference_mode()` record no base."""
+    return (view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() and view.storage_offset() == 0
+            and view.stride() == buffer.stride() and view.shape[:dim] == buffer.shape[:dim]
+            and view.shape[dim + 1:] == buffer.shape[dim + 1:] and view.shape[dim] <= buffer.shape[dim])
 
 
 def _runs(columns: list[int]) -> list[tuple[int, int]]:

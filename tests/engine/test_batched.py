@@ -536,3 +536,27 @@ def test_a_running_request_shows_its_tokens_so_far():
     assert all(output.tolist()[: len(tokens)] == tokens for tokens in seen)
     with pytest.raises(KeyError, match="no request"):
         engine.tokens_so_far(request)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_queued_drafter_context_appends_in_place_under_inference_mode_too(mode):
+    """Rounds that leave the drafter idle append their target features to the queued context in place. A server's
+    engine thread runs under `torch.inference_mode()`, where views record no `_base`: asked of `_base`, every such
+    round copied the whole queue (a prompt's features included)."""
+    with mode():
+        rows = engine_rounds._empty_rows([0, 1], None, 2, "cpu")
+        valid = torch.ones(2, 1, dtype=torch.bool)
+        rows.stage_context(torch.randn(2, 1, 8), valid, torch.zeros(2, 1, dtype=torch.long),
+                           torch.zeros(2, 1, dtype=torch.long), width=1)
+        staged = [rows.pending[:, -1].clone()]
+        rows.stage_context(torch.randn(2, 1, 8), valid, torch.ones(2, 1, dtype=torch.long),
+                           torch.zeros(2, 1, dtype=torch.long), width=1)
+        storage = rows._pending_storage
+        assert storage is not None
+        for step in range(2, 20):
+            staged.append(rows.pending[:, -1].clone())
+            rows.stage_context(torch.randn(2, 1, 8), valid, torch.full((2, 1), step, dtype=torch.long),
+                               torch.zeros(2, 1, dtype=torch.long), width=1)
+            assert rows._pending_storage is storage  # written in place, no copy of the queue
+        assert rows.pending.shape == (2, 20, 8)
+        assert all(torch.equal(rows.pending[:, i], features) for i, features in enumerate(staged))

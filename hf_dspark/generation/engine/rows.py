@@ -20,7 +20,8 @@ from transformers import DynamicCache
 
 from ...models.layers import DraftContextCache
 from ..round.drafting import pad_to, to_device
-from ...transformers_internals.cache_layers import cache_layers, merge_layer_rows, row_entries, select_layer_entries
+from ...transformers_internals.cache_layers import (cache_layers, is_prefix_view, merge_layer_rows, row_entries,
+                                                   select_layer_entries)
 
 
 def _cat_rows(blocks: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -174,7 +175,7 @@ class BatchRows:
         Only columns after `pending` are written, so a tensor `pending` was before keeps its values."""
         queued, storage = self.pending, self._pending_storage
         needed = queued.shape[1] + features.shape[1]
-        in_storage = storage is not None and queued._base is storage and queued.storage_offset() == 0
+        in_storage = storage is not None and is_prefix_view(queued, storage, dim=1)
         if not (in_storage and storage.shape[1] >= needed and storage.dtype == features.dtype):
             storage = queued.new_empty(queued.shape[0], needed + max(32, needed // 2), *queued.shape[2:])
             storage[:, : queued.shape[1]] = queued
