@@ -24,7 +24,6 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-MASK_TAKING_ATTENTION = ("sdpa", "eager")  # implementations that take an arbitrary 4D mask, the engine's holes
 GROUPED_SDPA = "hf_dspark_grouped_sdpa"  # transformers' sdpa, with torch's grouped-query kernel where it is exact
 
 
