@@ -50,11 +50,6 @@ class VerificationCostTable:
     def max_tokens(self) -> int:
         return len(self.seconds)
 
-    @property
-    def rows(self) -> int:
-        """The rows it was profiled over (its prices hold for that batch size only)."""
-        return int(self.description.get("rows", 1))
-
     def round_seconds(self, num_tokens: int) -> float:
         """Seconds of a round that verifies `num_tokens` tokens (drafts + 1); beyond the table, extrapolated.
 

@@ -10,10 +10,9 @@ fewer, wider rounds save it (small on this CPU: about 5 ms a round at 4 rows aga
 
 A shape the loop ran is priced by its base times the load now (see below). A shape never run is priced by the least
 it can cost (a forward over more tokens never costs less than one over fewer): the dearest shape measured over at most N
-tokens, next to nothing with none, and at least a profiled table's price at the rows it was profiled at: a shape is
-tried once while its least price could win, then priced by what it cost (a line through the measured shapes, pricing
-a convex curve's middle high, gave 0.92x the best fixed width at 64 rows in the GPU-shaped simulation, not 0.98x).
-(At 4 rows a 1-row table priced wide rounds out, never run so never corrected: 0.92x a server's per-user tokens/s.)
+tokens, next to nothing with none, and at least a profiled table's price: a shape is tried once while its least price
+could win, then priced by what it cost (a line through the measured shapes, which prices a convex curve's middle
+high, gave 0.92x the best fixed width at 64 rows in the GPU-shaped simulation, against 0.98x). D(R) likewise.
 """
 
 from __future__ import annotations
@@ -84,7 +83,7 @@ class CostModel:
     def draft_seconds(self, rows: int) -> float:
         if rows in self.drafts:
             return self.drafts[rows] * self.load
-        tabled = self.table.draft_seconds if self._tabled(rows, 1) is not None else 0.0
+        tabled = self.table.draft_seconds if self.table is not None else 0.0
         return max(self._at_most_rows(self.drafts, rows), tabled)
 
     def _at_most_rows(self, bases: dict, rows: int) -> float:
@@ -94,7 +93,7 @@ class CostModel:
         return self.load * (measured if measured is not None else max(below, default=0.0))
 
     def _tabled(self, rows: int, width: int) -> float | None:
-        if self.table is None or (self.learn and rows != self.table.rows):  # a table alone prices every R
+        if self.table is None:
             return None
         # One row's verification is padded to the table's cheapest size at least as wide (the batch-1 loop).
         tokens = self.table.padded_tokens(width) if rows == 1 else rows * width

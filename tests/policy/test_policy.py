@@ -81,20 +81,15 @@ def test_a_burst_of_other_work_measured_on_one_shape_leaves_every_price_as_it_wa
     assert costs.forward_seconds(16, 1) == pytest.approx(0.10, rel=0.12)
 
 
-def test_a_shape_nothing_bounds_is_tried_next_and_a_table_prices_what_was_not_measured_at_its_own_rows():
+def test_a_shape_nothing_bounds_is_tried_next_and_a_table_prices_what_was_not_measured():
     costs = CostModel()
     costs.record_forward(4, 8, 2.0)
     assert costs.forward_seconds(4, 1) < 1e-6  # no shape over as few tokens measured: the next one tried
-    table = VerificationCostTable([1.0 + 0.25 * n for n in range(32)], description={"rows": 2})
+    table = VerificationCostTable([1.0 + 0.25 * n for n in range(32)])
     costs = CostModel(table)
     assert costs.forward_seconds(2, 2) == pytest.approx(1.75)  # the table's own price before any run
     costs.record_forward(2, 1, 2.0)  # slower than the table says (load): a bound the table cannot go under
-    assert costs.forward_seconds(2, 2) == 2.0 and costs.forward_seconds(2, 8) == pytest.approx(4.75)
-    # Other row counts: the table says nothing of them (profiled at 2 rows), so only what ran bounds them. A one-row
-    # table read as R rows of W tokens priced wide rounds it never let run out for good.
-    assert costs.forward_seconds(4, 4) == 2.0 and costs.forward_seconds(1, 1) < 1e-6
-    one_row = CostModel(VerificationCostTable([1.0 + 0.25 * n for n in range(32)]))
-    assert one_row.forward_seconds(1, 3) == pytest.approx(1.5) and one_row.forward_seconds(4, 3) == 1.0
+    assert costs.forward_seconds(2, 2) == 2.0 and costs.forward_seconds(4, 4) == pytest.approx(4.75)
 
 
 def test_before_drafting_the_plan_takes_the_best_width_past_a_jump_and_the_rule_after_drafting_crosses_it():
@@ -152,8 +147,7 @@ def test_confidence_calibration_follows_a_miscalibrated_head_within_a_few_rounds
 
 def test_the_drafter_is_free_until_measured_then_priced_by_rows():
     assert CostModel().draft_seconds(3) == 0.0
-    tabled = CostModel(VerificationCostTable([1.0], draft_seconds=0.3, description={"rows": 3}))
-    assert tabled.draft_seconds(3) == 0.3 and tabled.draft_seconds(2) == 0.0  # the table's own rows only
+    assert CostModel(VerificationCostTable([1.0], draft_seconds=0.3)).draft_seconds(3) == 0.3
     costs = CostModel()
     costs.record_draft(2, 0.2)
     costs.record_draft(4, 0.4)
