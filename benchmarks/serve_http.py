@@ -197,11 +197,12 @@ def ratio_lines(runs: list[dict]) -> list[str]:
     by = {(r["method"], r["load"], r.get("repeat", 0)): r for r in runs}
     loads = list(dict.fromkeys(r["load"] for r in runs))
     others = [m for m in dict.fromkeys(r["method"] for r in runs) if m != "dspark"]
+    passes = sorted({r.get("repeat", 0) for r in runs})
     rows = []
     for load in loads:
         for other in others:
-            pairs = [(by[("dspark", load, k)], theirs) for (m, l, k), theirs in by.items()
-                     if m == other and l == load and ("dspark", load, k) in by]
+            pairs = [(by["dspark", load, k], by[other, load, k]) for k in passes
+                     if ("dspark", load, k) in by and (other, load, k) in by]
             if not pairs:
                 continue
             cells = [load, other]
