@@ -2,10 +2,12 @@
 drafter's block, a suffix match over its own text, or nothing), the round's width and whether the drafter runs, by
 the admission rule (`admission`) on estimated survivals and this machine's prices (`costs.CostModel`).
 
-The drafter's slots are estimated by a Thompson draw from their posterior (it is learnt only from rounds that verify
-its drafts, so a drafter measured seldom is tried in proportion to the chance that it pays), a suffix proposal by its
-posterior mean (every proposal is scored against the text that followed it). At each width each row takes its better
-proposer; the rule admits widths with the drafter's pass paid and without it, and the better round is the plan.
+The drafter's slots are estimated by a Thompson draw from the posterior of what its rows delivered (a slot the plan
+allowed and the rule after drafting cut counts as reached, not accepted: the rule's own rates are learnt from slots it
+chose as confident, optimistic for a plan that cannot see confidences; learnt from drafting rounds only, so a drafter
+measured seldom is tried in proportion to the chance that it pays), a suffix proposal by its posterior mean (every
+proposal is scored against the text that followed it). At each width each row takes its better proposer; the rule
+admits widths with the drafter's pass paid and without it, and the better round is the plan.
 Lossless: every choice depends on earlier rounds, the committed text and the policy's own random stream only.
 """
 
@@ -42,20 +44,20 @@ class RoundPlan:
 class RoundPolicy:
     """A loop's policy: `plan` before each round, `record` after it (see the module). `draft_length`: the most tokens
     a row proposes; `planning` False drafts every row's whole budget every round; `suffix_acceptance` (None: no suffix
-    drafting) and `drafter_acceptance` (a `DraftingState`'s, so later calls start from it) are learnt into, as is
-    `costs` (the `CostModel`) and `calibration` (the `ConfidenceShift` the rule after drafting reads confidences
-    through); `seed` starts the Thompson draws' stream; `clock` times the passes (a simulation's own); `rule` is the
-    `DraftLengthRule` that decides after drafting how many of a drafter row's slots it verifies.
-    """
+    drafting), `drafter_acceptance` and `delivered` (a `DraftingState`'s, so later calls start from them) are learnt
+    into, as is `costs` (the `CostModel`) and `calibration` (the `ConfidenceShift` the rule after drafting reads
+    confidences through); `seed` starts the Thompson draws' stream; `clock` times the passes (a simulation's own);
+    `rule` is the `DraftLengthRule` that decides after drafting how many of a drafter row's slots it verifies."""
 
     def __init__(self, draft_length: int, *, planning: bool, costs: CostModel,
                  suffix_acceptance: SuffixAcceptance | None = None, drafter_acceptance: SlotAcceptance | None = None,
-                 seed: int = 0, calibration: ConfidenceShift | None = None, clock=None,
-                 rule: DraftLengthRule | None = None):
+                 delivered: SlotAcceptance | None = None, seed: int = 0, calibration: ConfidenceShift | None = None,
+                 clock=None, rule: DraftLengthRule | None = None):
         self.draft_length, self.planning = draft_length, planning
         self.costs, self.suffix_acceptance = costs, suffix_acceptance
         self.acceptance = drafter_acceptance if drafter_acceptance is not None else SlotAcceptance.empty(draft_length)
-        self.acceptance.cover(draft_length)
+        self.delivered = delivered if delivered is not None else SlotAcceptance.empty(draft_length)
+        self.acceptance.cover(draft_length), self.delivered.cover(draft_length)
         self.rng, self.calibration = random.Random(seed), calibration
         self.rule = rule if rule is not None else DraftLengthRule()
         self.clock = clock if clock is not None else time.perf_counter
@@ -93,7 +95,7 @@ class RoundPolicy:
         prices = self.costs.forward_prices(rows, widest + 1)
         best = self._best(suffix, None, budgets, prices, 0.0)
         if drafter_possible and widest:
-            rates = self.acceptance.draws(widest, self.rng) if explore else self.acceptance.means(widest)
+            rates = self.delivered.draws(widest, self.rng) if explore else self.delivered.means(widest)
             drafted = [survivals(rates[:budget]) for budget in budgets]
             candidate = self._best(suffix, drafted, budgets, prices, self.costs.draft_seconds(rows))
             if candidate.use_drafter and candidate.expected_rate > best.expected_rate:
@@ -111,15 +113,8 @@ class RoundPolicy:
         sources, lengths = [], []
         for row, budget in enumerate(budgets):
             by_suffix, by_drafter = gains(row, width - 1)
-            if by_drafter > by_suffix:
-                sources.append(DRAFTER)
-                lengths.append(min(width - 1, budget))
-            elif by_suffix > 0.0:
-                sources.append(SUFFIX)
-                lengths.append(min(width - 1, len(suffix[row])))
-            else:
-                sources.append(NO_DRAFT)
-                lengths.append(0)
+            sources.append(DRAFTER if by_drafter > by_suffix else SUFFIX if by_suffix > 0.0 else NO_DRAFT)
+            lengths.append(min(width - 1, {DRAFTER: budget, SUFFIX: len(suffix[row]), NO_DRAFT: 0}[sources[-1]]))
         use_drafter = DRAFTER in sources
         rate = expected[width - 1] / (prices[width - 1] + (draft_seconds if use_drafter else 0.0))
         return RoundPlan(use_drafter, sources, lengths, rate)
@@ -143,8 +138,10 @@ class RoundPolicy:
             self.costs.record_draft(rows, verification_started - self._started)
         self.costs.record_forward(rows, width, finished - verification_started)
         self._recorded = rows, finished
-        self.acceptance.age()
-        for row, (source, length, count) in enumerate(zip(plan.sources, lengths, accepted)):
+        self.acceptance.age(), self.delivered.age()
+        for row, (source, planned, length, count) in enumerate(zip(plan.sources, plan.lengths, lengths, accepted)):
+            if source == DRAFTER and planned > 0:
+                self.delivered.record(planned, count)
             if source == DRAFTER and length > 0:
                 self.acceptance.record(length, count)
                 if self.calibration is not None and confidences is not None and confidences[row]:

@@ -14,10 +14,12 @@ _MAX_COUNT = 1e6
 @dataclass
 class ProposalStatistics:
     """What earlier rounds taught that later calls, and later processes, start from: how often suffix proposals are
-    accepted per match length and how often the drafter's slots are (the policy's estimates, which loops learn into)."""
+    accepted per match length, how often the drafter's slots are when verified (what the rule after drafting looks
+    ahead with) and what its rows delivered of the slots the plan allowed (what the plan prices them by)."""
 
     suffix: SuffixAcceptance = field(default_factory=SuffixAcceptance)
     drafter: SlotAcceptance = field(default_factory=SlotAcceptance)
+    delivered: SlotAcceptance = field(default_factory=SlotAcceptance)
 
 
 @dataclass
@@ -80,23 +82,23 @@ def _checked_statistics(saved, source: str) -> ProposalStatistics:
     for match, accepted in suffix["accepted"].items():
         check.require(accepted <= suffix["reached"].get(match, 0.0), f"suffix.accepted[{match}]", accepted,
                       f"<= suffix.reached[{match}]")
-    return ProposalStatistics(suffix=SuffixAcceptance(**suffix),
-                              drafter=_checked_drafter(saved.pop("drafter", {}), check, source))
+    return ProposalStatistics(SuffixAcceptance(**suffix), *(_checked_slots(saved.pop(key, {}), key, check, source)
+                                                            for key in ("drafter", "delivered")))
 
 
-def _checked_drafter(saved, check: FieldCheck, source: str) -> SlotAcceptance:
-    """The drafter's slot acceptance: a decay in [0, 1] and two lists of as many counts, none accepted more often
-    than reached."""
-    drafter = checked_fields(saved, SlotAcceptance, "drafter.", source, _STATE_FIX)
-    decay = check.number(drafter, "drafter.decay", 0.0, high=1.0, default=SlotAcceptance().decay)
+def _checked_slots(saved, key: str, check: FieldCheck, source: str) -> SlotAcceptance:
+    """A drafter's slot acceptance (`key`): a decay in [0, 1] and two lists of as many counts, none accepted more
+    often than reached."""
+    slots = checked_fields(saved, SlotAcceptance, f"{key}.", source, _STATE_FIX)
+    decay = check.number(slots, f"{key}.decay", 0.0, high=1.0, default=SlotAcceptance().decay)
     counts = {}
     for name in ("reached", "accepted"):
-        values = drafter.get(name, [])
-        check.require(isinstance(values, list) and len(values) <= 4096, f"drafter.{name}", values,
+        values = slots.get(name, [])
+        check.require(isinstance(values, list) and len(values) <= 4096, f"{key}.{name}", values,
                       "a list of at most 4096 counts")
-        counts[name] = [check.value(v, f"drafter.{name}[{i}]", 0.0, _MAX_COUNT) for i, v in enumerate(values)]
-    check.require(len(counts["accepted"]) == len(counts["reached"]), "drafter.accepted", drafter.get("accepted"),
-                  "a list as long as drafter.reached")
+        counts[name] = [check.value(v, f"{key}.{name}[{i}]", 0.0, _MAX_COUNT) for i, v in enumerate(values)]
+    check.require(len(counts["accepted"]) == len(counts["reached"]), f"{key}.accepted", slots.get("accepted"),
+                  f"a list as long as {key}.reached")
     for slot, (accepted, reached) in enumerate(zip(counts["accepted"], counts["reached"])):
-        check.require(accepted <= reached, f"drafter.accepted[{slot}]", accepted, f"<= drafter.reached[{slot}]")
+        check.require(accepted <= reached, f"{key}.accepted[{slot}]", accepted, f"<= {key}.reached[{slot}]")
     return SlotAcceptance(counts["reached"], counts["accepted"], decay)

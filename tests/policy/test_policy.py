@@ -15,7 +15,7 @@ from hf_dspark.generation.engine.speculative_engine import SpeculativeEngine
 from hf_dspark.policy.acceptance import SlotAcceptance, SuffixAcceptance, survivals
 from hf_dspark.models.cost_table import VerificationCostTable
 from hf_dspark.policy.costs import LOAD_SMOOTHING, CostModel
-from hf_dspark.policy.planner import DRAFTER, NO_DRAFT, SUFFIX, RoundPolicy
+from hf_dspark.policy.planner import DRAFTER, NO_DRAFT, SUFFIX, RoundPlan, RoundPolicy
 from lossless_checks import assert_three_tokens_match
 from batch_helpers import left_pad, plain_greedy, use_oracle
 from lossless_checks import TINY_VOCAB, exact_three_token_distribution
@@ -206,13 +206,13 @@ def test_plain_steps_where_no_acceptance_could_pay():
     for its pass, whatever its posterior draws."""
     costs = priced(lambda r, w: 0.01 * r * w, draft=0.002)
     for acceptance in (SlotAcceptance.empty(4), known(1.0, slots=4)):
-        policy = RoundPolicy(4, planning=True, costs=costs, drafter_acceptance=acceptance)
+        policy = RoundPolicy(4, planning=True, costs=costs, delivered=acceptance)
         assert all(not p.use_drafter and p.lengths == [0, 0, 0] for p in plans(policy))
 
 
 def test_a_good_drafter_on_a_flat_machine_verifies_every_slot():
     costs = priced(lambda r, w: 0.02, draft=0.001)
-    policy = RoundPolicy(4, planning=True, costs=costs, drafter_acceptance=known(0.9, slots=4))
+    policy = RoundPolicy(4, planning=True, costs=costs, delivered=known(0.9, slots=4))
     for plan in plans(policy, count=50):
         assert plan.use_drafter and plan.sources == [DRAFTER] * 3 and plan.lengths == [4, 4, 4]
 
@@ -221,7 +221,7 @@ def test_the_width_stops_where_the_next_slot_costs_more_than_it_brings():
     """One row, 0.5 accepted per slot (survivals 0.5, 0.25, 0.125, ...), each token beyond the anchor +30 %: width 2
     emits 1.5 for 1.3 (1.15), width 3 1.75 for 1.6 (1.09): the rule stops at 2, one draft."""
     costs = priced(lambda r, w: 1.0 + 0.3 * (w - 1))
-    policy = RoundPolicy(4, planning=True, costs=costs, drafter_acceptance=known(0.5, slots=4, rounds=10**4))
+    policy = RoundPolicy(4, planning=True, costs=costs, delivered=known(0.5, slots=4, rounds=10**4))
     assert {tuple(p.lengths) for p in plans(policy, rows=1, explore=False, count=5)} == {(1,)}
 
 
@@ -231,7 +231,7 @@ def test_the_loops_own_work_between_rounds_is_priced_into_every_round_and_widens
     costs = priced(lambda r, w: 1.0 + 0.3 * (w - 1))
     costs.overheads[1] = 2.0
     assert costs.forward_prices(1, 2) == pytest.approx([3.0, 3.3])
-    policy = RoundPolicy(4, planning=True, costs=costs, drafter_acceptance=known(0.5, slots=4, rounds=10**4))
+    policy = RoundPolicy(4, planning=True, costs=costs, delivered=known(0.5, slots=4, rounds=10**4))
     assert {tuple(p.lengths) for p in plans(policy, rows=1, explore=False, count=5)} == {(2,)}
 
 
@@ -258,13 +258,13 @@ def test_each_row_takes_its_better_proposer_and_a_suffix_round_skips_the_drafter
     repeating = Text([5, 6, 7, 8, 5, 6, 7])  # proposes 8 5 6 7 after "5 6 7"
     fresh = Text([2, 3, 4, 9, 10, 11])
     flat = priced(lambda r, w: 0.02, draft=0.001)
-    policy = RoundPolicy(4, planning=True, costs=flat, suffix_acceptance=suffix, drafter_acceptance=known(0.6, 4))
+    policy = RoundPolicy(4, planning=True, costs=flat, suffix_acceptance=suffix, delivered=known(0.6, 4))
     plan = plans(policy, rows=2, count=1, explore=False, texts=[repeating, fresh])[0]
     assert plan.sources == [SUFFIX, DRAFTER] and plan.lengths == [4, 4] and plan.use_drafter
     assert policy.suffix_rows(plan, [0, 1]) == {0: [8, 5, 6, 7]}
     # A drafter pass that costs more than it brings: the suffix row alone, the drafter does not run.
     dear = priced(lambda r, w: 0.02, draft=0.05)
-    policy = RoundPolicy(4, planning=True, costs=dear, suffix_acceptance=suffix, drafter_acceptance=known(0.6, 4))
+    policy = RoundPolicy(4, planning=True, costs=dear, suffix_acceptance=suffix, delivered=known(0.6, 4))
     plan = plans(policy, rows=2, count=1, explore=False, texts=[repeating, fresh])[0]
     assert plan.sources == [SUFFIX, NO_DRAFT] and not plan.use_drafter and plan.lengths == [4, 0]
 
@@ -274,9 +274,9 @@ def test_thompson_draws_try_an_unknown_drafter_and_seldom_a_known_poor_one():
     is tried in a good share of rounds (its posterior leaves that possible), one measured at 0.2 almost never, and
     without exploration the means decide alone."""
     costs = priced(lambda r, w: 1.0 + 0.1 * (w - 1), draft=0.6)
-    unknown = RoundPolicy(4, planning=True, costs=costs, drafter_acceptance=SlotAcceptance.empty(4))
+    unknown = RoundPolicy(4, planning=True, costs=costs, delivered=SlotAcceptance.empty(4))
     tried = sum(p.use_drafter for p in plans(unknown, rows=1, count=400)) / 400
-    poor = RoundPolicy(4, planning=True, costs=costs, drafter_acceptance=known(0.2, slots=4))
+    poor = RoundPolicy(4, planning=True, costs=costs, delivered=known(0.2, slots=4))
     seldom = sum(p.use_drafter for p in plans(poor, rows=1, count=400)) / 400
     assert tried > 0.1 and seldom < 0.01, (tried, seldom)
     assert not any(p.use_drafter for p in plans(unknown, rows=1, count=50, explore=False))
@@ -284,9 +284,28 @@ def test_thompson_draws_try_an_unknown_drafter_and_seldom_a_known_poor_one():
 
 def test_the_same_seed_and_history_make_the_same_plans():
     costs = priced(lambda r, w: 1.0 + 0.1 * (w - 1), draft=0.5)
-    first, second = (RoundPolicy(4, planning=True, costs=costs, drafter_acceptance=SlotAcceptance.empty(4), seed=3)
+    first, second = (RoundPolicy(4, planning=True, costs=costs, delivered=SlotAcceptance.empty(4), seed=3)
                      for _ in range(2))
     assert [p.lengths for p in plans(first, count=100)] == [p.lengths for p in plans(second, count=100)]
+
+
+def test_the_plan_prices_the_drafter_by_what_its_rows_delivered_after_the_rule():
+    """The rule after drafting verifies one of four planned slots of every drafter row, and that one is accepted: the
+    rule's conditional counts see slot 1 accepted every time (it looks ahead with them), the plan's count slot 2 as
+    reached and never accepted, so with prices where only a second accepted slot repays the pass, the plan stops
+    drafting, though the conditional rate it would have read is 1."""
+    costs = priced(lambda r, w: 1.0 + 0.1 * (w - 1), draft=1.2)  # 1 a second plain, 0.87 at width 2, 1.25 at 3
+    policy = RoundPolicy(4, planning=True, costs=costs)
+    drafting = RoundPlan(True, [DRAFTER], [4])
+    for _ in range(200):
+        policy.record(drafting, [0], [1], [1], 2, policy.drafted())
+    assert policy.acceptance.means(2)[0] > 0.99 and policy.acceptance.reached[1] == 0.0
+    assert policy.delivered.means(2)[0] > 0.99 and policy.delivered.means(2)[1] < 0.05
+    assert policy.delivered.reached[1] == pytest.approx(policy.delivered.reached[0])
+    assert not any(p.use_drafter for p in plans(policy, rows=1, count=50, explore=False))
+    # A plan that reads the conditional rates instead drafts: what the delivered counts are for.
+    optimistic = RoundPolicy(4, planning=True, costs=costs, delivered=policy.acceptance)
+    assert all(p.use_drafter for p in plans(optimistic, rows=1, count=50, explore=False))
 
 
 def test_planning_off_drafts_every_budget():

@@ -270,7 +270,8 @@ def test_a_targets_generation_config_naming_a_file_is_refused_at_generate(models
 
 GOOD_STATE = {"suffix": {"prior_accepted": 1.0, "prior_rejected": 3.0, "decay": 0.9, "accepted": {"2": 1.5},
                          "reached": {"2": 2.0}},
-              "drafter": {"reached": [4.0, 2.0], "accepted": [2.0, 0.5], "decay": 0.98}}
+              "drafter": {"reached": [4.0, 2.0], "accepted": [2.0, 0.5], "decay": 0.98},
+              "delivered": {"reached": [5.0, 2.0], "accepted": [2.0, 0.0], "decay": 0.98}}
 # What a state saved by an earlier hf_dspark also held (one planner per batch size then): loaded without them.
 RETIRED = {"drafter_expected": 2.5, "drafter_tokens": 3.0, "rounds_without_drafter": 1, "probe_interval": 16,
            "forward_seconds": {"1": 0.1, "3": 0.2}, "draft_seconds": 0.05}
@@ -290,11 +291,15 @@ RETIRED = {"drafter_expected": 2.5, "drafter_tokens": 3.0, "rounds_without_draft
     ({"drafter": {"reached": "many", "accepted": []}}, "drafter.reached"),
     ({"drafter": {"decay": 2}}, "drafter.decay"),
     ({"drafter": {"slots": 7}}, "drafter.slots"),
+    ({"delivered": {"reached": [1.0], "accepted": [2.0]}}, "delivered.accepted[0]"),
+    ({"delivered": {"reached": [1.0, 1.0], "accepted": [1.0]}}, "delivered.accepted"),
+    ({"delivered": {"decay": -1}}, "delivered.decay"),
 ])
 def test_a_saved_drafting_state_with_a_wrong_field_is_refused_at_load(tmp_path, change, field):
     saved = json.loads(json.dumps(GOOD_STATE))
     for key, value in change.items():
-        saved[key] = value if key not in ("suffix", "drafter") or not isinstance(value, dict) else saved[key] | value
+        nested = key in ("suffix", "drafter", "delivered") and isinstance(value, dict)
+        saved[key] = saved[key] | value if nested else value
     (tmp_path / "state.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError) as raised:
         DraftingState.load(tmp_path / "state.json")
@@ -304,6 +309,7 @@ def test_a_saved_drafting_state_with_a_wrong_field_is_refused_at_load(tmp_path, 
     state = DraftingState.load(tmp_path / "state.json")
     assert state.statistics.suffix.reached == {2: 2.0} and state.statistics.suffix.accepted == {2: 1.5}
     assert state.statistics.drafter.reached == [4.0, 2.0] and state.statistics.drafter.accepted == [2.0, 0.5]
+    assert state.statistics.delivered.reached == [5.0, 2.0] and state.statistics.delivered.accepted == [2.0, 0.0]
     (tmp_path / "old.json").write_text(json.dumps(RETIRED | GOOD_STATE))
     assert DraftingState.load(tmp_path / "old.json") == state
     state.save(tmp_path / "again.json")

@@ -92,8 +92,8 @@ class DraftingPlan:
         settings, statistics = self.settings, self.state.statistics
         return RoundPolicy(draft_length, planning=settings.round_planning, costs=costs,
                            suffix_acceptance=statistics.suffix if settings.round_planning and settings.suffix_drafting
-                           else None, drafter_acceptance=statistics.drafter, calibration=self.state.confidence_shift,
-                           rule=rule)
+                           else None, drafter_acceptance=statistics.drafter, delivered=statistics.delivered,
+                           calibration=self.state.confidence_shift, rule=rule)
 
     def stop_rule(self) -> HostStoppingRule | None:
         return HostStoppingRule.from_limits(self.stop_limits)
