@@ -7,11 +7,11 @@ import time
 
 import torch
 
-from ..generation.round.drafting import draft_input_block
+from ..generation.round.drafting import draft_input_block, drafting_pass
 from ..models.cost_table import VerificationCostTable
 
 # How `profile_verification_costs` times (recorded in each table): tables cached by an older way are profiled again.
-TIMING = "round-robin medians"
+TIMING = "round-robin medians, drafted slots' logits"
 
 
 @torch.no_grad()
@@ -118,7 +118,10 @@ def _drafting_round(drafter, target, prefix):
         cache = DraftContextCache()
         if drafting_core(drafter) == BLOCK_DRAFTER_TYPE:  # the block generation drafts from: anchor, then masks
             block = draft_input_block(prefix[:, -1], drafter.config)
-            drafter(input_ids=block, target_hidden_states=features, cache=cache)
+            out = drafter(input_ids=block, target_hidden_states=features, cache=cache,
+                          logits_mask=drafting_pass(block.device))
+            first = drafter.config.first_draft_slot  # then the logits of a whole round's slots (`draft_block`)
+            drafter.compute_logits(out.last_hidden_state[:, first : first + drafter.config.num_draft_slots])
         else:
             out = drafter(input_ids=prefix[:, :1], target_hidden_states=features, cache=cache)
             for _ in range(block_size - 1):

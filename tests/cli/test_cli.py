@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hf_dspark.cli.main import main
-from hf_dspark.evaluation.profiling import profile_verification_costs
+from hf_dspark.evaluation.profiling import TIMING, profile_verification_costs
 from hf_dspark.policy import VerificationCostTable
 from factories import tiny_drafter
 from cli_checks import refused
@@ -29,14 +29,14 @@ def test_a_cost_table_cached_by_older_timing_is_profiled_again(saved_pair, capsy
     assert main(command) == 0
     (path,) = (tmp_path / "cost-tables").glob("*.json")
     current = json.loads(path.read_text())
-    assert current["description"]["timing"] == "round-robin medians"
+    assert current["description"]["timing"] == TIMING
     stale = {**current, "seconds": [1.0] * len(current["seconds"]),
              "description": {k: v for k, v in current["description"].items() if k != "timing"}}
     path.write_text(json.dumps(stale))
     assert main(command) == 0
     assert "profiling verification costs once" in capsys.readouterr().err
     again = json.loads(path.read_text())
-    assert again["description"]["timing"] == "round-robin medians" and again["seconds"] != stale["seconds"]
+    assert again["description"]["timing"] == TIMING and again["seconds"] != stale["seconds"]
     marked = {**again, "seconds": [2.0] * len(again["seconds"])}  # a current table is reused as it is
     path.write_text(json.dumps(marked))
     assert main(command) == 0

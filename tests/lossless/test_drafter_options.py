@@ -39,22 +39,22 @@ def _features(target, drafter, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("case", sorted(ATTENTION))
 def test_batched_drafter_passes_equal_single_prompt_passes(target, case):
     """Every backbone pass of the batched engine (left padding and rejected drafts leave holes in its drafter cache,
-    so positions are not column indices) gives each row the logits a fresh batch-1 pass gives on that row's
-    committed context."""
+    so positions are not column indices) gives each row the final states (what its logits are read from) a fresh
+    batch-1 pass gives on that row's committed context."""
     drafter = tiny_drafter(target, "dflash", block_size=4, **ATTENTION[case])
     drafter.generation_config.dspark_round_planning = False  # a backbone pass every round, to compare each
     prompt_list = prompts(3, length=7)
     ids, mask = left_pad(prompt_list)
     calls = []
     handle = drafter.register_forward_hook(
-        lambda module, args, kwargs, out: calls.append((kwargs, out.logits.clone())), with_kwargs=True)
+        lambda module, args, kwargs, out: calls.append((kwargs, out.last_hidden_state.clone())), with_kwargs=True)
     try:
         out = batched_speculative_generate(target, drafter, ids, mask, max_new_tokens=12, policy="all")
     finally:
         handle.remove()
     compared = 0
-    for kwargs, logits in calls:
-        if kwargs.get("attention_mask") is None or logits.shape[0] != len(prompt_list):
+    for kwargs, states in calls:
+        if kwargs.get("attention_mask") is None or states.shape[0] != len(prompt_list):
             continue  # a context-only pass (its output is discarded), or rows retired: the row order changed
         for row, sequence in enumerate(out.sequences):
             anchor_position = int(kwargs["position_ids"][row, 0])
@@ -63,7 +63,7 @@ def test_batched_drafter_passes_equal_single_prompt_passes(target, case):
             with torch.no_grad():
                 alone = drafter(input_ids=block,
                                 target_hidden_states=_features(target, drafter, sequence[None, :anchor_position]))
-            torch.testing.assert_close(logits[row : row + 1], alone.logits, atol=1e-4, rtol=0)
+            torch.testing.assert_close(states[row : row + 1], alone.last_hidden_state, atol=1e-4, rtol=0)
             compared += 1
     assert compared >= 9
 

@@ -41,23 +41,29 @@ def test_slot_zero_unused_drafters_match_plain_greedy_in_a_batch(kind):
 
 
 def _oracle_forward(drafter, reference: torch.Tensor, laid_out_from: int):
-    """Replace the drafter's logits with the target's own continuation, block row r predicting the token at
-    anchor + r + 1 - `laid_out_from`: what a checkpoint trained in that convention would propose."""
-    original = drafter.forward
+    """Make the drafter propose the target's own continuation, block row r predicting the token at
+    anchor + r + 1 - `laid_out_from`: what a checkpoint trained in that convention would propose. Drafting computes
+    the drafted rows' logits from their final states (`draft_block`), so the forward writes into each row's state the
+    position it predicts, and the LM head proposes the reference token there."""
+    original_forward, original_logits = drafter.forward, drafter.compute_logits
 
     def forward(*args, **kwargs):
         cache, context = kwargs.get("cache"), kwargs.get("target_hidden_states")
         anchor = (cache.get_seq_length() if cache is not None else 0) + (context.shape[1] if context is not None else 0)
-        out = original(*args, **kwargs)
-        logits = torch.full_like(out.base_logits, -10.0)
-        for row in range(logits.shape[1]):
-            position = anchor + row + 1 - laid_out_from
-            if 0 <= position < reference.shape[1]:
-                logits[:, row, int(reference[0, position])] = 10.0
-        out.base_logits = out.logits = logits
+        out = original_forward(*args, **kwargs)
+        marks = torch.zeros_like(out.last_hidden_state)
+        marks[..., 0] = anchor + torch.arange(marks.shape[1]) + 1 - laid_out_from
+        out.last_hidden_state = marks
         return out
 
-    drafter.forward = forward
+    def compute_logits(hidden):
+        logits = torch.full_like(original_logits(hidden), -10.0)
+        positions = hidden[..., 0].round().long()
+        inside = (positions >= 0) & (positions < reference.shape[1])
+        tokens = reference[0, positions.clamp(0, reference.shape[1] - 1)]
+        return logits.scatter(-1, tokens[..., None], torch.where(inside, 10.0, -10.0)[..., None])
+
+    drafter.forward, drafter.compute_logits = forward, compute_logits
 
 
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
@@ -115,3 +121,27 @@ def test_a_slot_zero_unused_drafter_trains(tmp_path):
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
     assert any(not torch.equal(before[name], value) for name, value in drafter.state_dict().items())
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_a_round_computes_the_lm_head_over_its_drafted_slots_only(monkeypatch, sample_from_anchor):
+    """The LM head over a 49k vocabulary is most of a small drafter's pass: a round that drafts two slots of a block
+    of six computes their logits only, at batch 1 and in the engine, and nothing else of the block's."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "markov", block_size=6, sample_from_anchor=sample_from_anchor)
+    drafter.generation_config.update(dspark_round_planning=False, num_assistant_tokens=2)
+    shapes, compute_logits = [], drafter.compute_logits
+    monkeypatch.setattr(drafter, "compute_logits", lambda hidden: shapes.append(tuple(hidden.shape[:-1])) or
+                        compute_logits(hidden))
+    ids = prompts(1)[0]
+    assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12),
+                       target.generate(ids, do_sample=False, max_new_tokens=12))
+    prompt_list = prompts(3)
+    batch, mask = left_pad(prompt_list)
+    out = batched_speculative_generate(target, drafter, batch, mask, max_new_tokens=12, policy="all")
+    for row, prompt in enumerate(prompt_list):
+        assert torch.equal(out.sequences[row], target.generate(prompt, do_sample=False, max_new_tokens=12)[0])
+    drafted = [shape for shape in shapes if 0 not in shape]
+    assert (1, 2) in drafted and (3, 2) in drafted  # batch 1's rounds, then the engine's three rows
+    assert all(shape[-1] <= 2 for shape in drafted)
+    assert all(shape in ((0,), (1, 2), (2, 2), (3, 2), (1, 1), (2, 1), (3, 1)) for shape in shapes), shapes

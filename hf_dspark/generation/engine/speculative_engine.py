@@ -37,7 +37,7 @@ import torch
 from ...models.modeling_dspark import DSparkDraftModel
 from ...policy.length_rule import DraftLengthRule
 from .rows import BatchRows
-from ..round.drafting import Drafts, draft_block, draft_input_block, emitted_drafts
+from ..round.drafting import Drafts, draft_block, draft_input_block, drafting_pass, emitted_drafts
 from ..round.verification import verify_drafts
 from ..round.skeleton import speculative_round
 from ..call.plan import DraftingPlan
@@ -71,7 +71,7 @@ def _draft(drafter: DSparkDraftModel, rows: BatchRows, budget: torch.LongTensor,
     out = drafter(input_ids=block, target_hidden_states=rows.pending,
                   position_ids=rows.target_length[:, None] + torch.arange(width, device=device),
                   context_position_ids=rows.pending_positions, attention_mask=mask, cache=rows.draft_cache,
-                  cached_position_ids=rows.draft_valid.long().cumsum(dim=1) - 1)
+                  cached_position_ids=rows.draft_valid.long().cumsum(dim=1) - 1, logits_mask=drafting_pass(device))
     rows.draft_valid = context_valid  # the queued context is in the cache now; verification queues the next
     rows.take_context()
     tokens, probs, confidences = draft_block(drafter, out, rows.anchor, slots, sampling, generator)

@@ -14,7 +14,7 @@ import torch
 
 from ...models.identity import EAGLE3_DRAFTER_TYPE, drafting_core
 from ...models.layers import DraftContextCache
-from ..round.drafting import Drafts, context_pass, draft_block, draft_chain, draft_input_block
+from ..round.drafting import Drafts, context_pass, draft_block, draft_chain, draft_input_block, drafting_pass
 from ..round.stats import PhaseClock, SpeculativeStats
 
 
@@ -79,7 +79,8 @@ class OnePromptRows:
             self.clock.lap(self.stats, "drafting", started)
             return Drafts(tokens, probs, rule.lengths(None, budget))
         block = draft_input_block(self.anchor, self.drafter.config)
-        out = self.drafter(input_ids=block, target_hidden_states=features, cache=self.cache)
+        out = self.drafter(input_ids=block, target_hidden_states=features, cache=self.cache,
+                           logits_mask=drafting_pass(block.device))
         started = self.clock.lap(self.stats, "backbone", started)
         tokens, probs, confidences = draft_block(self.drafter, out, self.anchor, slots, sampling, generator)
         lengths = rule.lengths(confidences, budget)

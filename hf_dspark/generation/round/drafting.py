@@ -1,8 +1,9 @@
 """The drafting cores of every batch size (R rows at once; R = 1 in the batch-1 loop): the block core of DSpark,
 DFlash and DFlash 2 drafters (`draft_block`) and Eagle3's chain (`context_pass`, `draft_chain`).
 
-A block round: the backbone's single pass gives every slot's hidden state and base logits; the sequential head then
-walks the drafted slots, each correcting its logits with the token drawn at the slot before, picking a token through
+A block round: the backbone's single pass gives every slot's hidden state (`drafting_pass`: no logits), the LM head
+then gives the base logits of the slots drafted only (a round that drafts two of seven slots pays for two: the head
+over a 49k vocabulary is most of a small drafter's pass); the sequential head walks the drafted slots, each correcting its logits with the token drawn at the slot before, picking a token through
 the user's processors (`sampling`), and producing a confidence c_k. All slots are drafted, then
 `DraftLengthRule` (policy) decides on the device how many each row verifies, from c_1..c_k alone: lossless,
 and no slot waits for the host.
@@ -87,14 +88,21 @@ def emitted_drafts(accepted: int, emitted: int) -> int:
     return min(accepted, emitted - 1)
 
 
+def drafting_pass(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `logits_mask` of a drafting backbone pass: no slot (an index, which a boolean mask would read the device
+    to count); `draft_block` computes the drafted slots' logits itself."""
+    none = torch.zeros(0, dtype=torch.long, device=device)
+    return none, none
+
+
 def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTensor, slots: int, sampling,
                 generator: torch.Generator | None = None) -> tuple[torch.LongTensor, torch.Tensor | None,
                                                                      torch.Tensor | None]:
     """Draft `slots` tokens for every row after the backbone pass.
 
     Args:
-        backbone_output: the drafter's output on `[anchor, MASK x (block_size - 1)]` (hidden states and base logits
-            of every block slot, (R, block_size, ...)).
+        backbone_output: the drafter's output on `[anchor, MASK x (block_size - 1)]` (the final hidden states of
+            every block slot, (R, block_size, d); its logits are not read: pass `logits_mask=drafting_pass(device)`).
         anchor: (R,) the newest committed token of each row (x_{-1} for the sequential head).
         slots: how many tokens to draft (at most `config.num_draft_slots`).
         sampling: a `ProcessorSampling` or `RowSampling` (the processors and the token choice).
@@ -104,7 +112,9 @@ def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTe
     """
     # Draft k comes from block slot first + k: slot 0 itself, or slot 1 when slot j predicts anchor + j.
     first = drafter.config.first_draft_slot
-    hidden, base_logits = backbone_output.last_hidden_state[:, first:], backbone_output.base_logits[:, first:]
+    # Contiguous: the LM head over a strided slice of the block ran slower than over the whole block.
+    hidden = backbone_output.last_hidden_state[:, first : first + slots].contiguous()
+    base_logits = drafter.compute_logits(hidden)  # the drafted slots only
     head = drafter.sequential_head
     state = head.initial_state(anchor.shape[0], hidden) if head is not None else None
     tokens, probs, embeddings = [], [], []
@@ -125,7 +135,7 @@ def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTe
     if not tokens:
         return anchor[:, None][:, :0], None, None
     # Every slot's confidence in one call, now that every x_{k-1} is known (c_k never reads x_k).
-    confidences = drafter.slot_confidences(hidden[:, :slots], torch.stack(embeddings, dim=1) if embeddings else None)
+    confidences = drafter.slot_confidences(hidden, torch.stack(embeddings, dim=1) if embeddings else None)
     return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, confidences
 
 
