@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from ..generation.round.drafting import draft_input_block, drafting_pass
+from ..generation.round.drafting import draft_input_block, drafted_slots, drafting_pass
 from ..models.cost_table import VerificationCostTable
 
 # How `profile_verification_costs` times (recorded in each table): tables cached by an older way are profiled again.
@@ -120,8 +120,7 @@ def _drafting_round(drafter, target, prefix):
             block = draft_input_block(prefix[:, -1], drafter.config)
             out = drafter(input_ids=block, target_hidden_states=features, cache=cache,
                           logits_mask=drafting_pass(block.device))
-            first = drafter.config.first_draft_slot  # then the logits of a whole round's slots (`draft_block`)
-            drafter.compute_logits(out.last_hidden_state[:, first : first + drafter.config.num_draft_slots])
+            drafted_slots(drafter, out, drafter.config.num_draft_slots)  # a whole round's slots, as `draft_block`
         else:
             out = drafter(input_ids=prefix[:, :1], target_hidden_states=features, cache=cache)
             for _ in range(block_size - 1):

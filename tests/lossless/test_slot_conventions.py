@@ -125,8 +125,8 @@ def test_a_slot_zero_unused_drafter_trains(tmp_path):
 
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
 def test_a_round_computes_the_lm_head_over_its_drafted_slots_only(monkeypatch, sample_from_anchor):
-    """The LM head over a 49k vocabulary is most of a small drafter's pass: a round that drafts two slots of a block
-    of six computes their logits only, at batch 1 and in the engine, and nothing else of the block's."""
+    """A round that drafts two slots of a block of six computes the LM head over those two only, at batch 1 and in
+    the engine, and nothing else of the block's."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "markov", block_size=6, sample_from_anchor=sample_from_anchor)
     drafter.generation_config.update(dspark_round_planning=False, num_assistant_tokens=2)

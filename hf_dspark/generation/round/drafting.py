@@ -2,11 +2,12 @@
 DFlash and DFlash 2 drafters (`draft_block`) and Eagle3's chain (`context_pass`, `draft_chain`).
 
 A block round: the backbone's single pass gives every slot's hidden state (`drafting_pass`: no logits), the LM head
-then gives the base logits of the slots drafted only (a round that drafts two of seven slots pays for two: the head
-over a 49k vocabulary is most of a small drafter's pass); the sequential head walks the drafted slots, each correcting its logits with the token drawn at the slot before, picking a token through
-the user's processors (`sampling`), and producing a confidence c_k. All slots are drafted, then
-`DraftLengthRule` (policy) decides on the device how many each row verifies, from c_1..c_k alone: lossless,
-and no slot waits for the host.
+then gives the base logits of the drafted slots only (`drafted_slots`: a round that drafts two of seven slots pays
+the 49k-vocabulary head for two of each row's slots, not seven); the sequential head walks the drafted slots, each
+correcting its logits with the token drawn at the slot before, picking a token through the user's processors
+(`sampling`), and producing a confidence c_k. Every slot the round asks for is drafted, then `DraftLengthRule`
+(policy) decides on the device how many each row verifies, from c_1..c_k alone: lossless, and no slot waits for
+the host.
 
 An Eagle3 context row t reads the target feature at t with the token at t + 1 and predicts the token at t + 2. A
 round runs one context pass over the rows committed since the drafter last ran (`context_pass`), then one drafter
@@ -95,6 +96,16 @@ def drafting_pass(device) -> tuple[torch.Tensor, torch.Tensor]:
     return none, none
 
 
+def drafted_slots(drafter: DSparkDraftModel, backbone_output, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final states (R, slots, d) of the `slots` drafted block slots and their base logits, one LM-head product
+    over those rows only. Draft k comes from block slot first + k: slot 0 itself, or slot 1 when slot j predicts
+    anchor + j."""
+    first = drafter.config.first_draft_slot
+    # Contiguous: the LM head over a strided slice of the block ran slower than over the whole block.
+    hidden = backbone_output.last_hidden_state[:, first : first + slots].contiguous()
+    return hidden, drafter.compute_logits(hidden)
+
+
 def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTensor, slots: int, sampling,
                 generator: torch.Generator | None = None) -> tuple[torch.LongTensor, torch.Tensor | None,
                                                                      torch.Tensor | None]:
@@ -110,11 +121,7 @@ def draft_block(drafter: DSparkDraftModel, backbone_output, anchor: torch.LongTe
     Returns:
         (tokens (R, slots), probs (R, slots, V) or None, confidences (R, slots) or None).
     """
-    # Draft k comes from block slot first + k: slot 0 itself, or slot 1 when slot j predicts anchor + j.
-    first = drafter.config.first_draft_slot
-    # Contiguous: the LM head over a strided slice of the block ran slower than over the whole block.
-    hidden = backbone_output.last_hidden_state[:, first : first + slots].contiguous()
-    base_logits = drafter.compute_logits(hidden)  # the drafted slots only
+    hidden, base_logits = drafted_slots(drafter, backbone_output, slots)
     head = drafter.sequential_head
     state = head.initial_state(anchor.shape[0], hidden) if head is not None else None
     tokens, probs, embeddings = [], [], []
