@@ -2,6 +2,7 @@
 identity), prompts and Hub cache snapshots: the factories every test folder imports (`from factories import ...`).
 Fixtures live in `conftest.py`."""
 
+from hf_dspark.policy.acceptance import SlotAcceptance, SuffixAcceptance
 from hf_dspark.policy.costs import CostModel
 
 import torch
@@ -110,3 +111,9 @@ def priced(forward, draft=0.0, rows=range(1, 5), widths=range(1, 9)) -> CostMode
     costs.forwards.update({(r, w): forward(r, w) for r in rows for w in widths})
     costs.drafts.update({r: draft * r for r in rows})
     return costs
+
+
+def promising_suffix(rate: float = 0.9, count: float = 20.0, slots: int = 8) -> SuffixAcceptance:
+    """Suffix statistics as if every match length's proposals had had each token accepted at `rate`, `count` times
+    (where a test wants suffix matches to start out promising)."""
+    return SuffixAcceptance({match: SlotAcceptance([count] * slots, [rate * count] * slots) for match in range(1, 9)})

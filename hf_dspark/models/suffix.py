@@ -6,7 +6,7 @@ generated so far, the longest suffix of up to `max_ngram` tokens that occurred b
 `max_tokens` tokens that followed it, in O(max_ngram) per token and no model at all. A proposal is a draft with a
 one-hot draft distribution q, so the verifier's rule keeps the output exactly the target's.
 
-`acceptance.SuffixAcceptance` keeps, per match length, how often proposed tokens were accepted, which prices a
+`acceptance.SuffixAcceptance` keeps, per match length and proposed token, how often it was accepted, which prices a
 proposal against the drafter's block and a plain step (`planner.RoundPolicy`).
 """
 

@@ -76,25 +76,28 @@ class SlotAcceptance:
 
 @dataclass
 class SuffixAcceptance:
-    """Decayed accepted / reached counts of proposed suffix tokens per match length (how many tokens of the text
-    matched before the proposal), over a Beta(`prior_accepted`, `prior_rejected`) start: text that repeats itself
-    is a habit of the workload, so what later calls start from."""
+    """Per match length (how many tokens of the text matched before the proposal), a `SlotAcceptance` over the
+    proposal's tokens, as the drafter's slots: the first proposed token is the hard one (after one matched token it was
+    accepted 20 % of the time, the next ones 55-77 % once it was; one rate pooled over the tokens read 37 % and priced
+    a one-token proposal high), and the same prior and decay a round calibrate it (the expected accepted tokens of
+    1,461 proposals within 1-2 % for their first token and 4 % for seven at 1 to 16 rows, where the pooled rate
+    decayed a proposal read 7 % high and 17 % low). Text that repeats itself is a habit of the workload, so what later
+    calls start from."""
 
-    prior_accepted: float = 1.0
-    prior_rejected: float = 3.0
-    decay: float = 0.9
-    accepted: dict[int, float] = field(default_factory=dict)
-    reached: dict[int, float] = field(default_factory=dict)
+    matches: dict[int, SlotAcceptance] = field(default_factory=dict)
 
-    def rate(self, match_length: int) -> float:
-        accepted = self.accepted.get(match_length, 0.0) + self.prior_accepted
-        return accepted / (self.reached.get(match_length, 0.0) + self.prior_accepted + self.prior_rejected)
+    def rates(self, match_length: int, count: int) -> list[float]:
+        """The posterior mean rates of the first `count` tokens of a proposal after a match of `match_length`."""
+        return self.matches.setdefault(match_length, SlotAcceptance()).means(count)
 
     def record(self, match_length: int, proposed: int, accepted: int) -> None:
         """A proposal of `proposed` tokens after a match of `match_length` had its first `accepted` accepted."""
-        reached = min(accepted + 1, proposed)  # the first rejected token was reached too
-        self.accepted[match_length] = self.decay * self.accepted.get(match_length, 0.0) + accepted
-        self.reached[match_length] = self.decay * self.reached.get(match_length, 0.0) + reached
+        self.matches.setdefault(match_length, SlotAcceptance()).record(proposed, accepted)
+
+    def age(self) -> None:
+        """A round went by."""
+        for slots in self.matches.values():
+            slots.age()
 
 
 # The calibration fits the last CALIBRATION_WINDOW verified drafts (about 150 rounds at one row, 4 at 64 rows). Where

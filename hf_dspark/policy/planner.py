@@ -91,7 +91,7 @@ class RoundPolicy:
                 proposer = self.requests.setdefault(request_id, SuffixProposer(self.suffix_acceptance))
                 proposal, match = proposer.propose(budget, request.tokens)
             self.proposals[request_id] = proposal, match
-            suffix.append(survivals([self.suffix_acceptance.rate(match)] * len(proposal)) if proposal else [])
+            suffix.append(survivals(self.suffix_acceptance.rates(match, len(proposal))) if proposal else [])
         prices = self.costs.forward_prices(rows, widest + 1)
         best = self._best(suffix, None, budgets, prices, 0.0)
         if drafter_possible and widest:
@@ -139,6 +139,8 @@ class RoundPolicy:
         self.costs.record_forward(rows, width, finished - verification_started)
         self._recorded = rows, finished
         self.acceptance.age(), self.delivered.age()
+        if self.suffix_acceptance is not None:
+            self.suffix_acceptance.age()
         for row, (source, planned, length, count) in enumerate(zip(plan.sources, plan.lengths, lengths, accepted)):
             if source == DRAFTER and planned > 0:
                 self.delivered.record(planned, count)

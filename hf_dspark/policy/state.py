@@ -13,8 +13,8 @@ _MAX_COUNT = 1e6
 
 @dataclass
 class ProposalStatistics:
-    """What earlier rounds taught that later calls, and later processes, start from: how often suffix proposals are
-    accepted per match length, how often the drafter's slots are when verified (what the rule after drafting looks
+    """What earlier rounds taught that later calls, and later processes, start from: how often suffix proposals' tokens
+    are accepted per match length, how often the drafter's slots are when verified (what the rule after drafting looks
     ahead with) and what its rows delivered of the slots the plan allowed (what the plan prices them by)."""
 
     suffix: SuffixAcceptance = field(default_factory=SuffixAcceptance)
@@ -62,6 +62,7 @@ _STATE_FIX = "save one with DraftingState.save(path)"
 # Fields of states saved by earlier planners (smoothed estimates, probe pacing, timings): loaded without them.
 _RETIRED_FIELDS = ("drafter_expected", "drafter_tokens", "rounds_without_drafter", "probe_interval",
                    "forward_seconds", "draft_seconds")
+_RETIRED_SUFFIX_FIELDS = ("prior_accepted", "prior_rejected", "decay", "accepted", "reached")
 
 
 def _checked_statistics(saved, source: str) -> ProposalStatistics:
@@ -70,20 +71,14 @@ def _checked_statistics(saved, source: str) -> ProposalStatistics:
     if isinstance(saved, dict):
         saved = {key: value for key, value in saved.items() if key not in _RETIRED_FIELDS}
     saved = checked_fields(saved, ProposalStatistics, "", source, _STATE_FIX, "a DraftingState")
-    suffix = checked_fields(saved.pop("suffix", {}), SuffixAcceptance, "suffix.", source, _STATE_FIX)
-    check, defaults = FieldCheck(source, _STATE_FIX), SuffixAcceptance()
-    for name in ("prior_accepted", "prior_rejected"):
-        suffix[name] = check.number(suffix, f"suffix.{name}", 0.0, high=_MAX_COUNT, default=getattr(defaults, name))
-    prior = suffix["prior_accepted"] + suffix["prior_rejected"]
-    check.require(prior > 0, "suffix.prior_accepted + suffix.prior_rejected", prior, "> 0")
-    suffix["decay"] = check.number(suffix, "suffix.decay", 0.0, high=1.0, default=defaults.decay)
-    for name in ("accepted", "reached"):
-        suffix[name] = check.counts(suffix, f"suffix.{name}", 0, lambda v, n: check.value(v, n, 0.0, _MAX_COUNT))
-    for match, accepted in suffix["accepted"].items():
-        check.require(accepted <= suffix["reached"].get(match, 0.0), f"suffix.accepted[{match}]", accepted,
-                      f"<= suffix.reached[{match}]")
-    return ProposalStatistics(SuffixAcceptance(**suffix), *(_checked_slots(saved.pop(key, {}), key, check, source)
-                                                            for key in ("drafter", "delivered")))
+    suffix = saved.pop("suffix", {})
+    if isinstance(suffix, dict):  # one rate per match length, pooled over tokens (saved before per-token rates)
+        suffix = {key: value for key, value in suffix.items() if key not in _RETIRED_SUFFIX_FIELDS}
+    suffix = checked_fields(suffix, SuffixAcceptance, "suffix.", source, _STATE_FIX)
+    check = FieldCheck(source, _STATE_FIX)
+    matches = check.counts(suffix, "suffix.matches", 0, lambda value, name: _checked_slots(value, name, check, source))
+    return ProposalStatistics(SuffixAcceptance(matches), *(_checked_slots(saved.pop(key, {}), key, check, source)
+                                                           for key in ("drafter", "delivered")))
 
 
 def _checked_slots(saved, key: str, check: FieldCheck, source: str) -> SlotAcceptance:

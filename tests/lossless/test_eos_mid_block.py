@@ -19,7 +19,7 @@ from hf_dspark import DraftingState
 from hf_dspark.generation.engine.eagle3 import row_drafter_for
 from hf_dspark.generation.one_prompt.prompt_rows import OnePromptRows
 from hf_dspark.policy import VerificationCostTable
-from factories import prompts, tiny_drafter, tiny_target
+from factories import promising_suffix, prompts, tiny_drafter, tiny_target
 from batch_helpers import left_pad
 
 KINDS = ["markov", "gated", "rnn", "dflash", "dflash2", "eagle3"]
@@ -236,7 +236,7 @@ def suffix_rounds_only() -> dict:
     statistics given here (nothing measured): verifying more tokens costs nothing more, the drafter's pass far more
     than it could bring, and suffix matches start out promising."""
     state = DraftingState()
-    state.statistics.suffix.prior_accepted = 20.0
+    state.statistics.suffix = promising_suffix()
     return dict(dspark_suffix_drafting=True, dspark_round_planning=True, dspark_learn_round_costs=False,
                 dspark_cost_table=VerificationCostTable([1.0] * 8, draft_seconds=100.0), dspark_state=state)
 

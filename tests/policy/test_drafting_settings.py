@@ -149,7 +149,7 @@ def test_calls_without_a_state_learn_into_their_drafters_own_and_a_given_state_r
     state = DraftingState()
     target.generate(first, assistant_model=used, dspark_state=state, **call)
     learnt = state.to_dict()
-    assert learnt["suffix"]["reached"]
+    assert learnt["suffix"]["matches"]
     shared = target.generate(second, assistant_model=used, dspark_state=state, **call)
     assert shared.sequences.tolist() == alone.sequences.tolist()  # lossless whatever was learnt
     assert state.to_dict() != learnt  # the second call learnt on top of the first
@@ -167,7 +167,7 @@ def test_a_drafting_state_saves_loads_and_resets(tmp_path):
                     dspark_suffix_drafting=True, dspark_cost_table=COSTS, dspark_state=state)
     state.save(tmp_path / "state.json")
     assert DraftingState.load(tmp_path / "state.json") == state
-    assert state.statistics.suffix.reached and state.round_costs  # learnt costs are kept (in memory, not saved)
+    assert state.statistics.suffix.matches and state.round_costs  # learnt costs are kept (in memory, not saved)
     state.reset()
     assert state == DraftingState()
     with pytest.raises(ValueError, match="DraftingState"):

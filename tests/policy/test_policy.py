@@ -19,7 +19,7 @@ from hf_dspark.policy.planner import DRAFTER, NO_DRAFT, SUFFIX, RoundPlan, Round
 from lossless_checks import assert_three_tokens_match
 from batch_helpers import left_pad, plain_greedy, use_oracle
 from lossless_checks import TINY_VOCAB, exact_three_token_distribution
-from factories import priced
+from factories import priced, promising_suffix
 
 MAX_NEW = 16
 
@@ -254,7 +254,7 @@ def test_the_policy_times_the_loops_work_between_rounds_but_not_a_prefill():
 
 
 def test_each_row_takes_its_better_proposer_and_a_suffix_round_skips_the_drafter():
-    suffix = SuffixAcceptance(prior_accepted=99.0, prior_rejected=1.0)  # suffix matches that are always right
+    suffix = promising_suffix(rate=1.0, count=100.0)  # suffix matches that are always right
     repeating = Text([5, 6, 7, 8, 5, 6, 7])  # proposes 8 5 6 7 after "5 6 7"
     fresh = Text([2, 3, 4, 9, 10, 11])
     flat = priced(lambda r, w: 0.02, draft=0.001)
@@ -340,8 +340,7 @@ def test_planned_rounds_mix_proposers_and_every_row_is_its_plain_greedy(monkeypa
     references = [target.generate(p, do_sample=False, max_new_tokens=MAX_NEW + 8)[0] for p in prompt_list]
     use_oracle(monkeypatch, references, block_size=4)  # drafts accepted 0..4 deep
     engine = SpeculativeEngine(target, drafter)
-    suffix = engine.round_policy.suffix_acceptance
-    suffix.prior_accepted, suffix.prior_rejected = 6.0, 1.0  # suffix matches start out promising
+    engine.round_policy.suffix_acceptance = promising_suffix(rate=0.85, count=6.0)  # suffix matches start out promising
     ids = [engine.submit(p[0], MAX_NEW) for p in prompt_list]
     outputs = engine.run_until_done()
     for request, reference in zip(ids, plain_greedy(target, prompt_list)):
@@ -360,7 +359,7 @@ def test_generate_route_plans_rounds_with_greedy_identity_and_stats(monkeypatch)
                block_size=4)
     ids, mask = left_pad(prompt_list)
     state = DraftingState()
-    state.statistics.suffix.prior_accepted = 20.0  # the call's state: suffix matches start out promising
+    state.statistics.suffix = promising_suffix()  # the call's state: suffix matches start out promising
     # Flat prices (no table, nothing learnt): the choices depend on the statistics alone, not on this machine's speed.
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False,
                           max_new_tokens=MAX_NEW, return_dict_in_generate=True, dspark_state=state,
@@ -370,7 +369,8 @@ def test_generate_route_plans_rounds_with_greedy_identity_and_stats(monkeypatch)
         new = out.sequences[row, ids.shape[1]:]
         assert new[: reference.shape[0] - prompt_list[row].shape[1]].tolist() == reference[prompt_list[row].shape[1]:].tolist()
     assert "suffix" in out.speculative_stats.sources
-    assert sum(state.statistics.suffix.reached.values()) > 0  # the engine scored its proposals into the call's state
+    # The engine scored its proposals into the call's state: aging alone would keep every slot's count alike.
+    assert any(slots.reached[0] > slots.reached[-1] + 1e-9 for slots in state.statistics.suffix.matches.values())
 
 
 def test_batched_calls_start_from_the_round_costs_earlier_calls_measured(monkeypatch):
@@ -560,11 +560,11 @@ def test_a_state_is_saved_whole_or_not_at_all(tmp_path):
     state.statistics.suffix.record(2, proposed=3, accepted=1)
     state.save(path)
     before = path.read_text()
-    state.statistics.suffix.accepted[3] = object()
+    state.statistics.suffix.matches[2].accepted[1] = object()
     with pytest.raises(TypeError):
         state.save(path)
     assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["state.json"]
-    assert DraftingState.load(path).statistics.suffix.reached == {2: 2.0}
+    assert DraftingState.load(path).statistics.suffix.matches[2].reached == [1.0, 1.0, 0.0]
 
 
 def test_the_rule_after_drafting_admits_the_plan_when_confidences_read_as_estimated():

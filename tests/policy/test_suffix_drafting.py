@@ -8,6 +8,8 @@ from hf_dspark.models.suffix import SuffixIndex
 from hf_dspark.policy import VerificationCostTable
 from hf_dspark import DraftingState
 from hf_dspark.policy.acceptance import SuffixAcceptance
+from hf_dspark.policy.costs import CostModel
+from hf_dspark.policy.planner import NO_DRAFT, RoundPlan, RoundPolicy
 from factories import prompts, tiny_drafter, tiny_target
 
 KINDS = ["markov", "dflash", "eagle3"]
@@ -34,13 +36,41 @@ def test_suffix_index_proposes_what_followed_the_latest_longest_match():
     assert lone.propose() == ([], 0)  # the suffix itself is never its own match
 
 
-def test_suffix_acceptance_learns_per_match_length():
-    acceptance = SuffixAcceptance(prior_accepted=1, prior_rejected=1, decay=0.5)
-    assert acceptance.rate(2) == pytest.approx(0.5)
-    acceptance.record(2, proposed=4, accepted=4)  # 4 reached, 4 accepted
-    acceptance.record(2, proposed=4, accepted=1)  # 2 reached (the rejected one too), 1 accepted; older halved
-    assert acceptance.rate(2) == pytest.approx((0.5 * 4 + 1 + 1) / (0.5 * 4 + 2 + 2))
-    assert acceptance.rate(1) == pytest.approx(0.5)  # other match lengths keep their own counts
+def test_suffix_acceptance_learns_per_match_length_and_token_and_ages_by_rounds():
+    acceptance = SuffixAcceptance()
+    acceptance.record(2, proposed=4, accepted=4)  # every token reached and accepted
+    acceptance.age()  # a round went by
+    acceptance.record(2, proposed=4, accepted=1)  # tokens 1 and 2 reached (the rejected one too), token 1 accepted
+    acceptance.record(2, proposed=3, accepted=0)  # the same round's other row: token 1 reached, not accepted
+    decay = acceptance.matches[2].decay
+    assert acceptance.matches[2].reached == pytest.approx([decay + 2, decay + 1, decay, decay])
+    assert acceptance.matches[2].accepted == pytest.approx([decay + 1, decay, decay, decay])
+    assert acceptance.rates(2, 4) == pytest.approx(acceptance.matches[2].means(4))  # the drafter's posterior form
+    assert acceptance.rates(1, 2) == pytest.approx([0.5, 0.5])  # other match lengths keep their own counts
+
+
+def test_suffix_rates_per_token_tell_a_hard_first_token_from_the_easy_ones_after_it():
+    """The first proposed token is accepted a fifth of the time, the later ones always once it was: pooled over the
+    tokens that reads about a half, which prices a one-token proposal high and a long one low."""
+    acceptance = SuffixAcceptance()
+    for proposal in range(200):
+        acceptance.record(1, proposed=4, accepted=4 if proposal % 5 == 0 else 0)
+        acceptance.age()
+    first, *later = acceptance.rates(1, 4)
+    assert first == pytest.approx(0.2, abs=0.06) and min(later) > 0.85, (first, later)
+
+
+def test_a_round_ages_the_suffix_counts_once_whatever_its_rows():
+    """Many rows score many proposals a round; the counts age by rounds, so sixteen rows keep sixteen times the
+    evidence of one rather than the same last few proposals."""
+    for rows in (1, 16):
+        acceptance = SuffixAcceptance()
+        acceptance.record(3, proposed=2, accepted=2)
+        policy = RoundPolicy(4, planning=True, costs=CostModel(), suffix_acceptance=acceptance)
+        plan = RoundPlan(False, [NO_DRAFT] * rows, [0] * rows)
+        policy.record(plan, list(range(rows)), [0] * rows, [0] * rows, 1, policy.drafted())
+        decay = acceptance.matches[3].decay
+        assert acceptance.matches[3].reached == pytest.approx([decay] * 2) == acceptance.matches[3].accepted
 
 
 @pytest.mark.parametrize("kind", KINDS)

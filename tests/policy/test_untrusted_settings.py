@@ -20,6 +20,7 @@ from hf_dspark.generation import DraftingSettings
 from hf_dspark.models.errors import DrafterLoadError, UserInputError
 from hf_dspark.models.json_files import SMALL_JSON_BYTES, read_json
 from hf_dspark.policy import VerificationCostTable
+from hf_dspark.policy.acceptance import SlotAcceptance
 from factories import hub_snapshot, prompts, tiny_drafter, tiny_target
 
 TABLE = VerificationCostTable([1.0, 1.5, 2.0], draft_seconds=0.25, description={"device": "folder"})
@@ -268,8 +269,7 @@ def test_a_targets_generation_config_naming_a_file_is_refused_at_generate(models
     assert out.sequences.shape[1] == input_ids.shape[1] + 2
 
 
-GOOD_STATE = {"suffix": {"prior_accepted": 1.0, "prior_rejected": 3.0, "decay": 0.9, "accepted": {"2": 1.5},
-                         "reached": {"2": 2.0}},
+GOOD_STATE = {"suffix": {"matches": {"2": {"reached": [2.0, 1.0], "accepted": [1.5, 0.5], "decay": 0.98}}},
               "drafter": {"reached": [4.0, 2.0], "accepted": [2.0, 0.5], "decay": 0.98},
               "delivered": {"reached": [5.0, 2.0], "accepted": [2.0, 0.0], "decay": 0.98}}
 # What a state saved by an earlier hf_dspark also held (one planner per batch size then): loaded without them.
@@ -279,10 +279,12 @@ RETIRED = {"drafter_expected": 2.5, "drafter_tokens": 3.0, "rounds_without_draft
 
 @pytest.mark.parametrize("change, field", [
     ({"suffix": [1]}, "suffix"),
-    ({"suffix": {"accepted": [1]}}, "suffix.accepted"),
-    ({"suffix": {"reached": {"2": "many"}}}, "suffix.reached['2']"),
-    ({"suffix": {"decay": 1.5}}, "suffix.decay"),
-    ({"suffix": {"prior_accepted": 0, "prior_rejected": 0}}, "suffix.prior_accepted"),
+    ({"suffix": {"matches": [1]}}, "suffix.matches"),
+    ({"suffix": {"matches": {"x": {}}}}, "suffix.matches key"),
+    ({"suffix": {"matches": {"2": "many"}}}, "suffix.matches['2']"),
+    ({"suffix": {"matches": {"2": {"reached": [1.0], "accepted": [2.0]}}}}, "suffix.matches['2'].accepted[0]"),
+    ({"suffix": {"matches": {"2": {"reached": [1.0, 1.0], "accepted": [1.0]}}}}, "suffix.matches['2'].accepted"),
+    ({"suffix": {"matches": {"2": {"decay": 1.5}}}}, "suffix.matches['2'].decay"),
     ({"suffix": {"bogus": 1}}, "suffix.bogus"),
     ({"bogus": 1}, "bogus"),
     ({"drafter": {"reached": [1.0], "accepted": [2.0]}}, "drafter.accepted[0]"),
@@ -307,11 +309,15 @@ def test_a_saved_drafting_state_with_a_wrong_field_is_refused_at_load(tmp_path, 
     assert field in message and str(tmp_path / "state.json") in message and "\n" not in message, message
     (tmp_path / "state.json").write_text(json.dumps(GOOD_STATE))
     state = DraftingState.load(tmp_path / "state.json")
-    assert state.statistics.suffix.reached == {2: 2.0} and state.statistics.suffix.accepted == {2: 1.5}
+    assert state.statistics.suffix.matches == {2: SlotAcceptance([2.0, 1.0], [1.5, 0.5])}
     assert state.statistics.drafter.reached == [4.0, 2.0] and state.statistics.drafter.accepted == [2.0, 0.5]
     assert state.statistics.delivered.reached == [5.0, 2.0] and state.statistics.delivered.accepted == [2.0, 0.0]
     (tmp_path / "old.json").write_text(json.dumps(RETIRED | GOOD_STATE))
     assert DraftingState.load(tmp_path / "old.json") == state
+    # Suffix rates pooled over a proposal's tokens, one per match length (saved before per-token rates): left out.
+    pooled = {"prior_accepted": 1.0, "prior_rejected": 3.0, "decay": 0.9, "accepted": {"2": 1.5}, "reached": {"2": 2.0}}
+    (tmp_path / "pooled.json").write_text(json.dumps(GOOD_STATE | {"suffix": GOOD_STATE["suffix"] | pooled}))
+    assert DraftingState.load(tmp_path / "pooled.json") == state
     state.save(tmp_path / "again.json")
     assert DraftingState.load(tmp_path / "again.json") == state
     assert DraftingState.from_dict({}) == DraftingState()
