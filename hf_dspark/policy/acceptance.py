@@ -88,7 +88,7 @@ class SuffixAcceptance:
 
     def rates(self, match_length: int, count: int) -> list[float]:
         """The posterior mean rates of the first `count` tokens of a proposal after a match of `match_length`."""
-        return self.matches.setdefault(match_length, SlotAcceptance()).means(count)
+        return self.matches.get(match_length, SlotAcceptance()).means(count)  # a read adds no match length
 
     def record(self, match_length: int, proposed: int, accepted: int) -> None:
         """A proposal of `proposed` tokens after a match of `match_length` had its first `accepted` accepted."""
