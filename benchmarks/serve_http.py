@@ -12,8 +12,10 @@ and settings. Loads: Poisson arrivals at `--rates` requests/s (the same exponent
 then a closed loop at each `--concurrency` (that many clients, each sending its next request when its last one
 ends), `--requests` chat prompts of mixed lengths (held-out math, code and chat first turns) per load.
 
-`--repeats` passes over every method (a fresh server each, the order rotated), each pass's runs in the table and
-`dspark` against each other method paired by pass (the median ratio and every pass's).
+`--repeats` passes; a pass starts a fresh server per method (idle while another is measured) and runs each load on
+every method back to back, the order rotated load by load and pass by pass, so that the machine's slow spells (the
+same method here runs 0.75-1.25x its median a minute apart) fall on the methods alike. Each pass's runs are in the
+table and `dspark` is compared with each other method paired by pass and load (the median ratio and every pass's).
 
 Per method and load: completed and failed requests, time to first token and inter-token latency (the gaps between
 streamed chunks, as `vllm bench serve`; a chunk may carry several tokens) p50 / p99, end-to-end latency, per-user
@@ -50,7 +52,7 @@ parser.add_argument("--requests", type=int, default=16, help="requests per load"
 parser.add_argument("--max-tokens", type=int, default=64)
 parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--repeats", type=int, default=1,
-                    help="passes over every method (each a fresh server; the order rotated pass by pass)")
+                    help="passes (fresh servers each; every load on every method back to back, rotated)")
 parser.add_argument("--startup-timeout", type=float, default=600)
 parser.add_argument("--output", default="benchmarks/serve-http/results.json")
 add_prompt_arguments(parser, max_prompt_tokens=384)
@@ -271,30 +273,43 @@ def main() -> None:
     gaps = [draws.expovariate(1.0) for _ in texts]
     unit = [sum(gaps[: i + 1]) - gaps[0] for i in range(len(texts))]
     output = Path(args.output)
+    loads = [f"poisson {rate:g}/s" for rate in rates] + [f"closed {c}" for c in concurrencies]
+
+    def run_load(url: str, model: str, load: str):
+        kind, value = load.split()
+        if kind == "poisson":
+            rate = float(value.removesuffix("/s"))
+            return poisson_load(url, model, texts, [a / rate for a in unit])
+        return closed_loop(url, model, texts, int(value))
+
     results = {"command": command_line(), "git": git_state(), "environment": environment(args.threads),
                "settings": vars(args), "runs": [], "not_run": {}}
     for repeat in range(args.repeats):
-        for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
-            if method in results["not_run"]:
-                continue
-            try:
-                process, url, log = start_server(method, str(default_target_dir()))
-            except RuntimeError as error:
-                results["not_run"][method] = str(error)
-                continue
-            model = ("HuggingFaceTB/SmolLM2-135M-Instruct" if method in ("dspark", "plain")
-                     else str(default_target_dir()))
-            try:
+        servers = {}  # method -> (process, url, model), started together: a load runs on each back to back
+        try:
+            for method in methods:
+                if method in results["not_run"]:
+                    continue
+                try:
+                    process, url, _ = start_server(method, str(default_target_dir()))
+                except RuntimeError as error:
+                    results["not_run"][method] = str(error)
+                    continue
+                model = ("HuggingFaceTB/SmolLM2-135M-Instruct" if method in ("dspark", "plain")
+                         else str(default_target_dir()))
+                servers[method] = process, url, model
                 asyncio.run(closed_loop(url, model, texts[:2], 1))  # warm-up: first forwards, kernel choices
-                loads = ([(f"poisson {rate:g}/s", poisson_load(url, model, texts, [a / rate for a in unit]))
-                          for rate in rates] + [(f"closed {c}", closed_loop(url, model, texts, c))
-                                                for c in concurrencies])
-                for load, run in loads:
+            order = list(servers)
+            for index, load in enumerate(loads):
+                shift = (repeat + index) % max(1, len(order))
+                for method in order[shift:] + order[:shift]:
+                    _, url, model = servers[method]
                     print(f"== pass {repeat + 1}/{args.repeats}, {method}: {load}", file=sys.stderr, flush=True)
-                    results["runs"].append({**summarise(method, load, asyncio.run(run), tokenizer),
-                                            "repeat": repeat})
+                    results["runs"].append({**summarise(method, load, asyncio.run(run_load(url, model, load)),
+                                                        tokenizer), "repeat": repeat})
                     write_report(output, results, report(results))
-            finally:
+        finally:
+            for process, _, _ in servers.values():
                 stop_server(process)
     results["identical_to_dspark"] = identical_to_dspark(results["runs"])
     md = write_report(output, results, report(results))
