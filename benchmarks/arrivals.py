@@ -32,7 +32,6 @@ the .md). The confidence model's per-slot means are the conditional acceptance b
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from tqdm import tqdm
 
 from serving_common import (OwnPlain, add_prompt_arguments, command_line, draw_sequences, environment, error_text,
                             fmt, git_state, load_models, md_table, merged_stats, percentile, prompt_ids,
-                            prompt_pools, provenance_lines, write_report)
+                            prompt_pools, provenance_lines, unit_arrival_times, write_report)
 
 METHODS = ("plain", "verify-1", "verify-all", "defaults")
 PAPER_MEANS = [0.90, 0.87, 0.84, 0.81, 0.78, 0.75, 0.72]
@@ -88,9 +87,7 @@ if args.default_cost_table:
 pools = prompt_pools(args, tokenizer)
 prompts = draw_sequences(pools, 1, args.requests, args.seed)[0]
 ids = [prompt_ids(tokenizer, p.text) for p in prompts]
-arrival_draws = random.Random(args.seed + 1)
-gaps = [arrival_draws.expovariate(1.0) for _ in ids]  # Exp(1) gaps: at rate q, arrivals = cumulative sums / q
-unit_arrivals = [sum(gaps[: i + 1]) - gaps[0] for i in range(len(ids))]  # the first request arrives at 0
+unit_arrivals = unit_arrival_times(len(ids), args.seed + 1)  # / rate: arrivals at that rate
 
 results = {
     "command": command_line(), "git": git_state(), "environment": environment(torch.get_num_threads()),

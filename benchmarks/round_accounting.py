@@ -22,7 +22,7 @@ resumes after its last complete pass.
 from __future__ import annotations
 
 import argparse
-import random
+import json
 import statistics
 import time
 from collections import defaultdict
@@ -32,10 +32,11 @@ import torch
 from tqdm import tqdm
 
 from serving_common import (add_prompt_arguments, command_line, draw_sequences, environment, git_state, load_models,
-                            md_table, prompt_ids, prompt_pools, write_report)
+                            md_table, prompt_ids, prompt_pools, unit_arrival_times, write_report)
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--loads", default="p0.5,p1,p2,p4,c4", help="pN: Poisson at N requests/s; cN: N closed-loop clients")
+parser.add_argument("--loads", default="p0.5,p1,p2,p4,c4",
+                    help="pN: Poisson at N requests/s; cN: N closed-loop clients")
 parser.add_argument("--requests", type=int, default=16)
 parser.add_argument("--max-new-tokens", type=int, default=48)
 parser.add_argument("--passes", type=int, default=3)
@@ -68,7 +69,8 @@ class Recorder:
 
 
 def serve(engine, load: str, ids: list[list[int]], unit: list[float]) -> dict:
-    """Serve the requests at `load` in real time; the aggregate rate, outputs and each step's rows and seconds."""
+    """Serve the requests at `load` in real time; the aggregate rate, each request's new tokens and each step's rows
+    and seconds."""
     kind, value = load[0], float(load[1:])
     submitted, outputs, steps = {}, {}, []
     start = time.perf_counter()
@@ -83,11 +85,11 @@ def serve(engine, load: str, ids: list[list[int]], unit: list[float]) -> dict:
             began = time.perf_counter()
             finished = engine.step()
             steps.append((admitting, engine.num_running + len(finished), time.perf_counter() - began))
-            outputs.update({submitted[r]: tokens.tolist() for r, tokens in finished.items()})
+            outputs.update({submitted[r]: tokens[len(ids[submitted[r]]):].tolist() for r, tokens in finished.items()})
         else:
             time.sleep(max(0.0, unit[len(submitted)] / value - (time.perf_counter() - start)))
     seconds = time.perf_counter() - start
-    return {"tokens_per_s": sum(len(t) - len(ids[i]) for i, t in outputs.items()) / seconds,
+    return {"tokens_per_s": sum(map(len, outputs.values())) / seconds,
             "outputs": [outputs[i] for i in range(len(ids))], "steps": steps}
 
 
@@ -140,15 +142,11 @@ def main() -> None:
     drafter.generation_config.dspark_cost_table = cost_table_for(target, drafter, "smollm2-135m-instruct")
     ids = [prompt_ids(tokenizer, p.text) for p in draw_sequences(prompt_pools(args, tokenizer), 1, args.requests,
                                                                  args.seed)[0]]
-    draws = random.Random(args.seed + 1)
-    gaps = [draws.expovariate(1.0) for _ in ids]
-    unit = [sum(gaps[: i + 1]) - gaps[0] for i in range(len(ids))]
+    unit = unit_arrival_times(len(ids), args.seed + 1)
     output = Path(args.output)
     results = {"command": command_line(), "git": git_state(), "environment": environment(args.threads),
                "settings": vars(args), "passes": []}
     if output.is_file():  # resume after the last complete pass of the same settings
-        import json
-
         earlier = json.loads(output.read_text())
         if earlier.get("settings") == vars(args):
             results["passes"] = earlier["passes"]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import signal
 import socket
 import statistics
@@ -40,7 +39,7 @@ import urllib.request
 from pathlib import Path
 
 from serving_common import (command_line, draw_sequences, environment, fmt, git_state, md_table, percentile,
-                            prompt_pools, write_report, add_prompt_arguments)
+                            prompt_pools, unit_arrival_times, write_report, add_prompt_arguments)
 
 METHODS = ("dspark", "plain", "transformers-cb", "transformers")
 
@@ -269,9 +268,7 @@ def main() -> None:
     _, tokenizer = load_default_target()  # materialises the cached copy transformers serve loads
     pools = prompt_pools(args, tokenizer)
     texts = [p.text for p in draw_sequences(pools, 1, args.requests, args.seed)[0]]
-    draws = random.Random(args.seed + 1)
-    gaps = [draws.expovariate(1.0) for _ in texts]
-    unit = [sum(gaps[: i + 1]) - gaps[0] for i in range(len(texts))]
+    unit = unit_arrival_times(len(texts), args.seed + 1)
     output = Path(args.output)
     loads = [f"poisson {rate:g}/s" for rate in rates] + [f"closed {c}" for c in concurrencies]
 

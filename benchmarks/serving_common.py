@@ -255,6 +255,14 @@ class OwnPlain:
         return self._cache[key]
 
 
+def unit_arrival_times(count: int, seed: int) -> list[float]:
+    """Poisson arrival times at 1 request/s (Exp(1) gaps drawn from `random.Random(seed)`, the first request at 0):
+    divide by a rate q for arrivals at q requests/s, the same draws at every rate."""
+    draws = random.Random(seed)
+    gaps = [draws.expovariate(1.0) for _ in range(count)]
+    return [sum(gaps[: i + 1]) - gaps[0] for i in range(count)]
+
+
 # -- statistics and reports -------------------------------------------------------------------------------------------
 
 def geomean(values: list[float]) -> float:
