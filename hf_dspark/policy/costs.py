@@ -9,10 +9,12 @@ Every round pays O(R), plain or drafted, so a round of width W is priced F(R, W)
 fewer, wider rounds save it (small on this CPU: about 5 ms a round at 4 rows against a 60-100 ms forward).
 
 A shape the loop ran is priced by its base times the load now (see below). A shape never run is priced by the least
-it can cost (a forward over more tokens never costs less than one over fewer): the dearest shape measured over at most N
-tokens, next to nothing with none, and at least a profiled table's price: a shape is tried once while its least price
-could win, then priced by what it cost (a line through the measured shapes, which prices a convex curve's middle
-high, gave 0.92x the best fixed width at 64 rows in the GPU-shaped simulation, against 0.98x). D(R) likewise.
+it can cost, and at least a profiled table's price: a plain step (W = 1) by the dearest plain step over fewer rows,
+a wider one (or a plain step with none below) by the dearest shape over at most N tokens, next to nothing with none;
+it is tried once while that could win, then priced by what it cost (a line through the measured shapes priced a
+convex curve's middle high: 0.92x the best fixed width at 64 rows in the GPU-shaped simulation, against 0.98x).
+D(R) likewise. A plain step priced by the wider shapes of as many tokens came to 1.44x what it took under arrivals,
+and, not run, stayed there: the server's engine 0.92-0.99x `--drafter none` against 0.96-1.00x (session 32).
 """
 
 from __future__ import annotations
@@ -69,10 +71,10 @@ class CostModel:
         tabled = self._tabled(rows, width)
         if not self.forwards:
             return tabled if tabled is not None else 1.0  # nothing known: every forward alike, until one ran
-        tokens = rows * width
-        # Nothing measured over as few tokens: no bound but zero, so this shape is the next one tried.
-        least = self.load * max([seconds for (r, w), seconds in self.forwards.items() if r * w <= tokens],
-                                default=_UNBOUNDED)
+        below = [seconds for (r, w), seconds in self.forwards.items() if w == width == 1 and r < rows]
+        if not below:  # a wider shape, or no plain step below
+            below = [seconds for (r, w), seconds in self.forwards.items() if r * w <= rows * width]
+        least = self.load * max(below, default=_UNBOUNDED)  # none: no bound but zero, so it is tried next
         return least if tabled is None else max(least, tabled)
 
     def forward_prices(self, rows: int, widths: int) -> list[float]:

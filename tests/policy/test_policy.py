@@ -59,6 +59,11 @@ def test_measured_shapes_are_priced_as_measured_and_others_at_the_least_they_can
     assert costs.forward_seconds(2, 3) == 1.8 and costs.forward_seconds(8, 8) == 1.8
     costs.record_forward(2, 1, 0.9)  # below every shape over fewer tokens: nothing bounds it but what it cost
     assert costs.forward_seconds(2, 1) == 0.9
+    # A plain step never run: the dearest plain step over fewer rows, not the wider rounds over as many tokens (a
+    # round of 1 x 5 tokens may cost more than a plain step over 5 rows); with no plain step below, as above.
+    assert costs.forward_seconds(5, 1) == 1.0 and costs.forward_seconds(5, 2) == 1.8
+    costs.record_forward(3, 1, 1.2)
+    assert costs.forward_seconds(5, 1) == 1.2 and costs.forward_seconds(2, 1) == 0.9
     costs.record_forward(1, 1, 2.0)  # a change of load reprices every shape, measured or not
     load = 2.0 ** LOAD_SMOOTHING
     assert costs.load == pytest.approx(load) and costs.forward_seconds(1, 5) == pytest.approx(1.8 * load)
