@@ -150,6 +150,9 @@ def main() -> None:
         earlier = json.loads(output.read_text())
         if earlier.get("settings") == vars(args):
             results["passes"] = earlier["passes"]
+    # An engine built on the drafter takes its remembered state while none holds it (`policy.remembered`); this one
+    # holds it for the run, so every pass's defaults engine starts from nothing, as a freshly started server does.
+    holder = SpeculativeEngine(target, drafter)
     for index in tqdm(range(len(results["passes"]), args.passes), desc="passes"):
         engines = {"defaults": SpeculativeEngine(target, drafter), "plain": SpeculativeEngine(target, None)}
         recorder = Recorder(engines["defaults"].round_policy)
