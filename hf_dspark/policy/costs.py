@@ -13,8 +13,8 @@ it can cost, and at least a profiled table's price: a plain step (W = 1) by the 
 a wider one (or a plain step with none below) by the dearest shape over at most N tokens, next to nothing with none;
 it is tried once while that could win, then priced by what it cost (a line through the measured shapes priced a
 convex curve's middle high: 0.92x the best fixed width at 64 rows in the GPU-shaped simulation, against 0.98x).
-D(R) likewise. A plain step priced by the wider shapes of as many tokens came to 1.44x what it took under arrivals,
-and, not run, stayed there: the server's engine 0.92-0.99x `--drafter none` against 0.96-1.00x (session 32).
+D(R) likewise. A plain step priced by the wider shapes of as many tokens came to 1.44x what it took under arrivals
+(a wide round over fewer rows costs more than a plain step over its tokens), and, not run, stayed there.
 """
 
 from __future__ import annotations
