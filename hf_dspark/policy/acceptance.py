@@ -1,17 +1,13 @@
-"""How often proposals are accepted: one Beta posterior per proposer and slot, from decayed counts.
-
-A slot's conditional acceptance (the chance that draft j is accepted when the drafts before it were) is estimated
-from what verification accepted, over a Beta prior. The policy reads the posterior two ways: its mean (what a round
-is expected to emit) and a draw from it (Thompson sampling), so that a proposer whose estimate rests on few rounds
-is tried now and then in proportion to the chance that it is better than it looks, and a proposer measured often
-is not. Draws come from the policy's own random stream, which never sees a round's drafts: whatever is verified,
-the verifier keeps the output the target's.
+"""How often proposals are accepted: one Beta posterior per proposer and slot, from decayed counts of what
+verification accepted (a slot's conditional acceptance: draft j accepted when the drafts before it were). The policy
+reads its mean (what a round is expected to emit) and draws from it (Thompson sampling: a proposer measured seldom is
+tried in proportion to the chance that it is better than it looks), from its own random stream, which never sees a
+round's drafts: whatever is verified, the verifier keeps the output the target's.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,18 +16,16 @@ import numpy
 import torch
 
 # The first slot before anything is known: an even chance worth one observation (the drafter is tried early). Each
-# later slot's prior is the slot before's posterior mean, with the same weight: a slot seldom reached reads like the
-# one before it. (With an even chance there, at an acceptance of 0.9 at one row, the seventh slot, not yet reached
-# when the plan stopped at six, kept reading 0.5 and the plan never reached it.)
+# later slot's prior is the slot before's posterior mean (with an even chance there, at an acceptance of 0.9, the
+# seventh slot, not reached while the plan stopped at six, kept reading 0.5 and the plan never reached it).
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 1.0
 
 
 @dataclass
 class SlotAcceptance:
     """Decayed counts, per draft slot j, of rows that reached slot j (its drafts before it accepted) and of those
-    that accepted it. Every round ages them by `decay` (discounted Thompson sampling): about the last fifty rounds
-    count, long enough for a posterior that seldom asks for a round that does not pay, short enough to follow a new
-    workload; and a drafter priced out by a few unlucky rounds drifts back to its prior, so it is tried again."""
+    that accepted it, aged by `decay` every round (discounted Thompson sampling: about the last fifty rounds count, so
+    it follows a new workload, and a drafter priced out by a few unlucky rounds drifts back to its prior)."""
 
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
@@ -46,8 +40,7 @@ class SlotAcceptance:
         missing = max(0, slots - len(self.reached))
         self.reached, self.accepted = self.reached + [0.0] * missing, self.accepted + [0.0] * missing
 
-    def age(self) -> None:
-        """A round went by."""
+    def age(self) -> None:  # a round went by
         self.reached, self.accepted = [self.decay * c for c in self.reached], [self.decay * c for c in self.accepted]
 
     def record(self, verified: int, accepted: int) -> None:
@@ -76,13 +69,10 @@ class SlotAcceptance:
 
 @dataclass
 class SuffixAcceptance:
-    """Per match length (how many tokens of the text matched before the proposal), a `SlotAcceptance` over the
-    proposal's tokens, as the drafter's slots: the first proposed token is the hard one (after one matched token it was
-    accepted 20 % of the time, the next ones 55-77 % once it was; one rate pooled over the tokens read 37 % and priced
-    a one-token proposal high), and the same prior and decay a round calibrate it (the expected accepted tokens of
-    1,461 proposals within 1-2 % for their first token and 4 % for seven at 1 to 16 rows, where the pooled rate
-    decayed a proposal read 7 % high and 17 % low). Text that repeats itself is a habit of the workload, so what later
-    calls start from."""
+    """Per match length (tokens of the text matched before the proposal), a `SlotAcceptance` over the proposal's
+    tokens: the first is the hard one (after one matched token accepted 20 % of the time, the next ones 55-77 % once it
+    was; one pooled rate read 37 %), and with the drafter's prior and decay the expected accepted tokens of 1,461
+    proposals came within 1-2 % (first token) and 4 % (seven). A habit of the workload: later calls start from it."""
 
     matches: dict[int, SlotAcceptance] = field(default_factory=dict)
 
@@ -94,49 +84,38 @@ class SuffixAcceptance:
         """A proposal of `proposed` tokens after a match of `match_length` had its first `accepted` accepted."""
         self.matches.setdefault(match_length, SlotAcceptance()).record(proposed, accepted)
 
-    def age(self) -> None:
-        """A round went by."""
+    def age(self) -> None:  # a round went by
         for slots in self.matches.values():
             slots.age()
 
 
-# The calibration fits the last CALIBRATION_WINDOW verified drafts (about 150 rounds at one row, 4 at 64 rows). Where
-# confidences spread little (0.1 to 0.3) the slope's standard error is about 16 / sqrt(window): 256 left a 0.1 tilt
-# across slots accepted alike; 1024 halves it.
+# The calibration fits the last CALIBRATION_WINDOW verified drafts (about 150 rounds at one row). Where confidences
+# spread little the slope's standard error is about 16 / sqrt(window): 256 left a 0.1 tilt; 1024 halves it.
 CALIBRATION_WINDOW = 1024
-# The prior's precision on (slope, shift) around (1, 0), the head read as it is: what about four drafts tell (one
-# draft's information is p (1 - p) <= 1/4), so a few rounds move a head that reads 0.2 where 0.9 is accepted most of
-# the way, and a head whose confidences are right stays where it is.
+# The prior's precision on (slope, shift) around (1, 0), the head read as it is: about four drafts' information (one
+# draft's is p (1 - p) <= 1/4), so a few rounds move a head far off, and a right one stays.
 CALIBRATION_PRIOR = 1.0
 _EPSILON = 1e-4
 
 
-def _logit(probability: float) -> float:
-    probability = min(max(probability, _EPSILON), 1.0 - _EPSILON)
-    return math.log(probability / (1.0 - probability))
-
-
 @dataclass
 class ConfidenceShift:
-    """The drafter's confidences as this target and this workload accept them: Platt scaling, sigmoid(a logit(c) + d)
-    tracks what verification accepts (a head learns the acceptance of the target and data it was trained on; served
-    elsewhere its confidences can sit far from it). (a, d) is the posterior mode over the last `CALIBRATION_WINDOW`
-    verified drafts under a Gaussian prior at (1, 0), refitted by Newton steps before the confidences are next read.
-    One pair for every slot: the rule verifies late slots only once their confidences read high, so a pair of their
-    own would never learn what the early slots show (per-slot shifts at an acceptance of 0.9 left the slots past the
-    second at the head's level: 0.73x verify-all at one row). A head that does not tell accepted drafts from rejected
-    ones gets a slope towards 0. Lossless: both depend on earlier rounds only."""
+    """The drafter's confidences as this target and workload accept them (a head learns the acceptance of the data it
+    was trained on): Platt scaling sigmoid(a logit(c) + d), (a, d) the posterior mode over the last
+    `CALIBRATION_WINDOW` verified drafts under a Gaussian prior at (1, 0), refitted by Newton steps before the next
+    read. One pair for every slot (late slots are verified only once they read high, so pairs of their own never
+    learnt what early slots show: 0.73x verify-all at one row). Lossless: it depends on earlier rounds only."""
 
     slope: float = 1.0
     shift: float = 0.0
-    logits: deque = field(default_factory=lambda: deque(maxlen=CALIBRATION_WINDOW), repr=False)
+    confidences: deque = field(default_factory=lambda: deque(maxlen=CALIBRATION_WINDOW), repr=False)
     outcomes: deque = field(default_factory=lambda: deque(maxlen=CALIBRATION_WINDOW), repr=False)
     stale: bool = field(default=False, repr=False)
 
     def record(self, confidences: list[float], accepted: int) -> None:
         """A row's verified slots' confidences and how many of its drafts were accepted."""
         for slot, confidence in enumerate(confidences[: accepted + 1]):  # the slots verification reached
-            self.logits.append(_logit(confidence))
+            self.confidences.append(confidence)
             self.outcomes.append(1.0 if slot < accepted else 0.0)
         self.stale = True
 
@@ -144,9 +123,10 @@ class ConfidenceShift:
         """Newton steps from the last fit to the mode (the log-posterior is concave; a step is capped so that a
         window of a few outcomes cannot throw it far)."""
         self.stale = False
-        if not self.logits:
+        if not self.confidences:
             return
-        x = numpy.fromiter(self.logits, dtype=numpy.float64)  # host values: numpy, not a device's tensors
+        x = numpy.fromiter(self.confidences, dtype=numpy.float64).clip(_EPSILON, 1.0 - _EPSILON)  # host values
+        x = numpy.log(x / (1.0 - x))
         features, y = numpy.stack([x, numpy.ones_like(x)], 1), numpy.fromiter(self.outcomes, dtype=numpy.float64)
         theta, prior = numpy.array([self.slope, self.shift]), numpy.array([1.0, 0.0])
         for _ in range(50):

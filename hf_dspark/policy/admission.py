@@ -1,9 +1,8 @@
 """The admission rule: how wide a round verifies, from survivals and prices, before drafting and after.
 
-A round of R rows verifies every row's anchor and up to W - 1 proposed tokens per row in one forward of R x W
-tokens (rows are padded to the widest, so within a width every row verifies all it has: a slot under the width
-costs nothing more). With S[r, j] the survival of row r's slot j (the chance that its first j proposed tokens are
-all accepted), a round of width W emits in expectation
+A round of R rows verifies each row's anchor and up to W - 1 proposed tokens in one forward of R x W tokens (rows are
+padded to the widest: a slot under the width costs nothing more). With S[r, j] the survival of row r's slot j (the
+chance that its first j proposed tokens are all accepted), a round of width W emits in expectation
 
     E(W) = sum over rows of (1 + S[r, 1] + ... + S[r, W - 1])
 
@@ -11,12 +10,11 @@ tokens in F(R, W) (+ the drafter's pass, when it is still to be paid) seconds (`
 
 Before drafting (`best_width`) every survival is an estimate and the rule takes the best width. After drafting
 (`admitted_width`, on the device) slots are admitted while expected tokens per second rise, and it **stops at the
-first width that no wider round beats**, the slots past the next expected at the rates earlier rounds measured
-(`ahead`; None: the next slot only, the DSpark paper's rule). The stop keeps it lossless: whether slot j is verified
-depends on c_1 ... c_j and earlier rounds, not on the token drafted at slot j (c_{j+1} does: the global best over
-the confidences, `early_stop=False`, verifies slot j *because* its draft made the next confidence high, and biases
-the output). The look ahead crosses a price jump (one row on a CPU: four tokens cost 1.35x three, then 5 % a token)
-where the slots behind it repay it.
+first width that no wider round beats**, later slots expected at the rates earlier rounds measured (`ahead`; None:
+the next slot only, the paper's rule). The stop keeps it lossless: whether slot j is verified depends on c_1 ... c_j
+and earlier rounds, not on the token drafted at slot j (the global best, `early_stop=False`, verifies slot j because
+its draft made c_{j+1} high, and biases the output). The look ahead crosses a price jump (one row on a CPU: four
+tokens cost 1.35x three, then 5 % a token) where the slots behind it repay it.
 """
 
 from __future__ import annotations
@@ -28,9 +26,8 @@ from .costs import CostModel
 
 
 def best_width(expected: list[float], seconds: list[float]) -> int:
-    """The width W (1 = anchors only) of the highest expected tokens per second, from the expected tokens and the
-    seconds of a round of width 1, 2, ... (before drafting: estimates only, nothing to keep lossless); the first
-    of equals."""
+    """The width W (1 = anchors only) of the most expected tokens (or worth) a second, the first of equals, from a
+    round of width 1, 2, ...'s (before drafting: estimates only, nothing to keep lossless)."""
     rates = [tokens / max(price, 1e-12) for tokens, price in zip(expected, seconds)]
     return rates.index(max(rates)) + 1
 
@@ -77,13 +74,10 @@ def survival_of(confidences: torch.Tensor, max_lengths: torch.Tensor | None) -> 
 
 
 class DSparkScheduler:
-    """The admission rule after drafting, on the drafter's confidences: `select_lengths(confidences, max_lengths)`
-    -> per-row verified lengths (R,), computed on the confidences' device without a host read. `costs`: the
-    `CostModel` that prices a round (a call's own, learnt as it runs) or a `VerificationCostTable` (priced by it
-    alone); `early_stop` False takes the global best (biased, for comparison only); `calibration`: the
-    `ConfidenceShift` the confidences are read through (None: as they are); `acceptance`: the `SlotAcceptance` whose
-    rates later slots are expected at (None: no further than the next slot).
-    """
+    """The admission rule after drafting: `select_lengths(confidences, max_lengths)` -> per-row verified lengths
+    (R,), on the confidences' device without a host read. `costs`: a `CostModel` or a `VerificationCostTable`;
+    `early_stop` False takes the global best (biased, for comparison only); `calibration`: the `ConfidenceShift` the
+    confidences are read through; `acceptance`: the `SlotAcceptance` later slots are expected at (None: none)."""
 
     def __init__(self, costs, early_stop: bool = True, calibration: ConfidenceShift | None = None,
                  acceptance: SlotAcceptance | None = None):

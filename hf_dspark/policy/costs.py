@@ -5,29 +5,26 @@ profiled table. The admission rule prices every round with it, before drafting a
     D(R)    = seconds of the drafter's pass over R rows
     O(R)    = seconds of the loop's own work between two rounds of R rows (committing, emitting, planning)
 
-Every round pays O(R), plain or drafted, so a round of width W is priced F(R, W) + O(R) (+ D(R) when it drafts):
-fewer, wider rounds save it (small on this CPU: about 5 ms a round at 4 rows against a 60-100 ms forward).
+A round of width W is priced F(R, W) + O(R) (+ D(R) when it drafts): fewer, wider rounds save O(R).
 
 A shape the loop ran is priced by its base times the load now (see below). A shape never run is priced by the least
-it can cost, and at least a profiled table's price: a plain step (W = 1) by the dearest plain step over fewer rows,
-a wider one (or a plain step with none below) by the dearest shape over at most N tokens, next to nothing with none;
-it is tried once while that could win, then priced by what it cost (a line through the measured shapes priced a
-convex curve's middle high: 0.92x the best fixed width at 64 rows in the GPU-shaped simulation, against 0.98x).
-D(R) likewise. A plain step priced by the wider shapes of as many tokens came to 1.44x what it took under arrivals
-(a wide round over fewer rows costs more than a plain step over its tokens), and, not run, stayed there.
+it can cost, at least a profiled table's price (a plain step by the dearest plain step over fewer rows, a wider one by
+the dearest shape over at most N tokens, next to nothing with none), tried once while that could win, then priced by
+what it cost (a line through the measured shapes priced a convex curve's middle high: 0.92x the best fixed width at 64
+rows in the GPU-shaped simulation, against 0.98x). D(R) likewise.
 """
 
 from __future__ import annotations
 
+import numpy
+
 from ..models.cost_table import VerificationCostTable
 
-# A pass's seconds are its shape's base price times the machine's load now (one factor for every shape and the
-# drafter: other work slows every forward alike). A timing moves the load by LOAD_SMOOTHING of its log ratio to the
-# price (about the last two runs count; the load's noise scales every price alike, so it changes no choice) and its
-# shape's base by 1 / n of what the load left unexplained, n its runs so far, at least SHAPE_SMOOTHING (about the
-# last fifty runs of a shape, as the acceptance counts' decay). Without the shared load a burst of other work priced
-# the shapes it hit for good: at 16 rows a seven-fold burst left width 2 at 1.28 s where it costs 0.18 s, and a plain
-# step priced that way is never run again to correct it (tested: after such a burst, 10 % off).
+# A pass's seconds are its shape's base price times the machine's load now (other work slows every forward alike). A
+# timing moves the load by LOAD_SMOOTHING of its log ratio to the price (about the last two runs; it scales every
+# price alike, so its noise changes no choice) and its shape's base by 1 / n of what the load left unexplained, n its
+# runs so far, at least SHAPE_SMOOTHING (about the last fifty runs). Without the shared load a burst of other work
+# priced the shapes it hit for good (16 rows: width 2 left at 1.28 s where it costs 0.18 s, never run again).
 LOAD_SMOOTHING = 0.5
 SHAPE_SMOOTHING = 0.02
 _UNBOUNDED = 1e-9  # the price of a shape nothing bounds from below: tried next
@@ -81,6 +78,14 @@ class CostModel:
         """F(rows, W) + O(rows) for W = 1..widths: a round's seconds besides drafting."""
         overhead = self._at_most_rows(self.overheads, rows)
         return [self.forward_seconds(rows, width) + overhead for width in range(1, widths + 1)]
+
+    def row_seconds(self, rows: int) -> float:
+        """What one row adds to a plain step at `rows` rows: the least-squares slope of the measured plain steps over
+        their row counts, within [0, the step's seconds per row] (that average with fewer than two measured)."""
+        here = self.forward_seconds(rows, 1)
+        plain = numpy.array([(r, seconds) for (r, w), seconds in self.forwards.items() if w == 1]).reshape(-1, 2)
+        slope = self.load * numpy.polyfit(plain[:, 0], plain[:, 1], 1)[0] if len(plain) > 1 else here / rows
+        return min(max(float(slope), 0.0), here / rows)
 
     def draft_seconds(self, rows: int) -> float:
         if rows in self.drafts:

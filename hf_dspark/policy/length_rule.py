@@ -17,14 +17,9 @@ POLICIES = ("all", "fixed", "threshold", "scheduler")
 class DraftLengthRule:
     """Per-row verified draft lengths from (R, G) confidences and (R,) budgets, without leaving the device.
 
-    Args:
-        policy: ``"all"`` (every slot the budget allows), ``"fixed"`` (`policy_arg` slots), ``"threshold"`` (up to
-            the first slot whose survival c_1...c_j, or its own c_j under the ``"per_slot"`` rule, is below
-            `policy_arg`), ``"scheduler"`` (`policy_arg`, a `DSparkScheduler`, over all rows together).
-        policy_arg: see `policy`.
-        threshold_rule: ``"cumulative"`` or ``"per_slot"`` (the `dspark_confidence_threshold_rule` setting).
-        costs, calibration, acceptance: the `CostModel`, `ConfidenceShift` and `SlotAcceptance` of ``"scheduler"``
-            without a scheduler of its own (the loop's).
+    `policy`: ``"all"`` (every slot the budget allows), ``"fixed"`` (`policy_arg` slots), ``"threshold"`` (up to the
+    first slot whose survival c_1...c_j, or c_j under `threshold_rule` ``"per_slot"``, is below `policy_arg`),
+    ``"scheduler"`` (`policy_arg`, a `DSparkScheduler`, else one on `costs`, `calibration` and `acceptance`).
     """
 
     def __init__(self, policy: str = "all", policy_arg=None, threshold_rule: str = "cumulative", costs=None,
@@ -64,15 +59,10 @@ class DraftLengthRule:
 
 def resolve_verification_policy(policy=None, *, has_confidence: bool, planning: bool = True,
                                 confidence_threshold: float | None = None) -> tuple[str, object]:
-    """`(policy, policy_arg)` of the `dspark_verification_policy` setting.
-
-    `None` (the default) derives it from the other settings, so one drafter behaves alike at every batch size:
-    `("threshold", confidence_threshold)` when a threshold is set and the drafter has a confidence head, else the
-    admission rule (`("scheduler", None)`: a `DSparkScheduler` on the loop's own cost model, which a table given as
-    `dspark_cost_table` starts) when it has one and the policy plans rounds (`planning`; without it, every drafted
-    slot is verified), else `"all"`. Otherwise a policy name (`"all"`, `"scheduler"`), a `(policy, policy_arg)` pair
-    such as `("fixed", 2)` or `("threshold", 0.4)`, or a scheduler object (anything with `select_lengths`).
-    """
+    """`(policy, policy_arg)` of the `dspark_verification_policy` setting: a policy name, a `(policy, policy_arg)` pair
+    such as `("fixed", 2)`, a scheduler (anything with `select_lengths`), or `None` (the default), alike at every batch
+    size: `("threshold", confidence_threshold)` with a threshold and a confidence head, else the admission rule on the
+    loop's own prices (`("scheduler", None)`) with a head and `planning`, else `"all"`."""
     if policy is None:
         if has_confidence and confidence_threshold is not None:
             return "threshold", confidence_threshold

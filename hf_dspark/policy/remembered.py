@@ -56,10 +56,8 @@ def remembered_state(drafter, target, plan):
 
 
 def hold_remembered_state(owner, drafter, target, plan):
-    """`plan` with the drafter's own state for `target` for as long as `owner` (a `SpeculativeEngine`) lives: an
-    engine, like a call, starts from what earlier calls and engines measured on this machine (so each new engine
-    does not spend its first rounds measuring the same forwards again) and leaves what it learns to later ones. The
-    plan unchanged when it has a state of its own or another holder has the drafter's."""
+    """`plan` with the drafter's own state for `target` for as long as `owner` (a `SpeculativeEngine`) lives, so an
+    engine starts from what earlier calls measured and leaves what it learns (as `remembered_state`)."""
     held = _claim(drafter, target, plan)
     if held is None:
         return plan

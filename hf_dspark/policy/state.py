@@ -13,9 +13,8 @@ _MAX_COUNT = 1e6
 
 @dataclass
 class ProposalStatistics:
-    """What earlier rounds taught that later calls, and later processes, start from: how often suffix proposals' tokens
-    are accepted per match length, how often the drafter's slots are when verified (what the rule after drafting looks
-    ahead with) and what its rows delivered of the slots the plan allowed (what the plan prices them by)."""
+    """What later calls and processes start from: suffix proposals' acceptance per match length, the drafter's slots'
+    when verified (the rule after drafting looks ahead with it) and as delivered of what the plan allowed."""
 
     suffix: SuffixAcceptance = field(default_factory=SuffixAcceptance)
     drafter: SlotAcceptance = field(default_factory=SlotAcceptance)
@@ -24,12 +23,10 @@ class ProposalStatistics:
 
 @dataclass
 class DraftingState:
-    """What rounds learn and later calls start from: `statistics`, and the round costs measured on this machine
-    (`round_costs`: a `policy.costs.CostModel` per cost-table setting) and how the drafter's confidences read here
-    (`confidence_shift`), both in memory only. A `generate()` call or a `SpeculativeEngine` without a state of its own
-    learns into its drafter's own state for that target, device, dtype and thread count (`policy.remembered`).
-    `reset()` forgets everything, `save(path)` / `DraftingState.load(path)` keep `statistics` across processes
-    (JSON)."""
+    """What rounds learn and later calls start from: `statistics`, and, in memory only, this machine's round costs
+    (`round_costs`: a `CostModel` per cost-table setting) and how the confidences read here (`confidence_shift`).
+    Calls and engines without one learn into their drafter's own (`policy.remembered`). `reset()` forgets all;
+    `save(path)` / `DraftingState.load(path)` keep `statistics` across processes (JSON)."""
 
     statistics: ProposalStatistics = field(default_factory=ProposalStatistics)
     round_costs: dict = field(default_factory=dict, compare=False, repr=False)

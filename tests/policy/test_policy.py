@@ -274,6 +274,30 @@ def test_each_row_takes_its_better_proposer_and_a_suffix_round_skips_the_drafter
     assert plan.sources == [SUFFIX, NO_DRAFT] and not plan.use_drafter and plan.lengths == [4, 0]
 
 
+def test_a_draining_batch_values_a_round_by_the_rounds_it_saves():
+    """A plain step costs f + c R (f = 1 s, c = 0.01 s a row); a suffix round verifying four tokens costs 1.8x it.
+    Three rows propose tokens that are always accepted, the fourth nothing. The round's tokens per second favour the
+    suffix round; but a batch ends with its last row, and when the fourth row is last (far more tokens left, or tied
+    with the others) the others' tokens save only their rows' c: a plain step. When a proposing row is the one left
+    last, or every row proposes, the suffix round."""
+    costs = priced(lambda r, w: (1.0 + 0.01 * r) * (1.0 + 0.2 * (w - 1)))
+    assert costs.row_seconds(4) == pytest.approx(0.01)
+    repeating, fresh = Text([5, 6, 7, 8, 5, 6, 7]), Text([2, 3, 4, 9, 10, 11])
+    suffix = promising_suffix(rate=1.0, count=100.0)
+
+    def sources(left, texts=(repeating,) * 3 + (fresh,)):
+        policy = RoundPolicy(4, planning=True, costs=costs, suffix_acceptance=suffix)
+        return [policy.plan(list(range(4)), list(texts), [4] * 4, drafter_possible=False, left=left).sources
+                for _ in range(20)]
+
+    proposing = [SUFFIX, SUFFIX, SUFFIX, NO_DRAFT]
+    assert sources(None) == [proposing] * 20
+    assert sources([10, 10, 10, 40]) == [[NO_DRAFT] * 4] * 20
+    assert sources([20, 20, 20, 20]) == [[NO_DRAFT] * 4] * 20
+    assert sources([40, 10, 10, 10]) == [proposing] * 20
+    assert sources([20, 20, 20, 20], (repeating,) * 4) == [[SUFFIX] * 4] * 20
+
+
 def test_thompson_draws_try_an_unknown_drafter_and_seldom_a_known_poor_one():
     """Prices where the drafter pays only if its first slot is accepted well over half the time: one never measured
     is tried in a good share of rounds (its posterior leaves that possible), one measured at 0.2 almost never, and

@@ -310,7 +310,7 @@ class SpeculativeEngine:
         """The request's tokens, leaving the engine; its statistics go with them (`returned_stats`)."""
         request = self._requests.pop(request_id)
         if self.round_policy is not None:
-            self.round_policy.forget(request_id)
+            self.round_policy.forget(request_id, request.emitted, request.emitted < request.max_new_tokens)
         self.returned_stats[request_id] = self.stats[request_id] if self.keep_stats else self.stats.pop(request_id)
         return torch.tensor(request.tokens, dtype=torch.long, device=self.device)
 
@@ -376,7 +376,8 @@ class SpeculativeEngine:
         round_rows = EngineRows(self.target, self.drafter, rows, self._draft_rows, self.layer_indices,
                                 self.feature_device)
         outcome = speculative_round(round_rows, self.round_policy, request_ids, requests, budgets,
-                                    self._row_sampling(request_ids), self.generator, self.drafter.config.vocab_size)
+                                    self._row_sampling(request_ids), self.generator, self.drafter.config.vocab_size,
+                                    [q.max_new_tokens - q.emitted for q in requests])
         round_rows.commit(outcome.num_accepted, outcome.accepted, outcome.width, outcome.new_tokens)
         self.verified_tokens_per_round.append(sum(outcome.lengths) + len(rows))
         before = [request.emitted for request in requests]

@@ -67,11 +67,12 @@ class RoundOutcome:
 
 def speculative_round(rows: RoundRows, policy: RoundPolicy, request_ids: list[int], texts,
                       budgets: list[int], sampling, generator: torch.Generator | None,
-                      vocab_size: int) -> RoundOutcome:
+                      vocab_size: int, left: list[int] | None = None) -> RoundOutcome:
     """One round for every row (see the module). `texts`: per row what the policy reads of it (`tokens`, the
     committed text, for suffix matches); `budgets`: per row the most tokens it may draft (its length limit leaves at
-    least one for the target); `vocab_size`: the draft distributions' width for suffix proposals."""
-    plan = policy.plan(request_ids, texts, budgets, drafter_possible=max(budgets, default=0) > 0)
+    least one for the target); `vocab_size`: the draft distributions' width for suffix proposals; `left`: per row the
+    most tokens it may still emit (the policy's `plan`)."""
+    plan = policy.plan(request_ids, texts, budgets, drafter_possible=max(budgets, default=0) > 0, left=left)
     # A pass that catches up on more context than a round commits (a prompt, or many plain rounds) costs what later
     # rounds do not: not timed.
     draft_timed = rows.queued_context() <= policy.draft_length + 1
