@@ -22,6 +22,7 @@ ratios to plain, rounds, and whether every output is plain's.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from dataclasses import replace
@@ -99,10 +100,10 @@ def measured_prices() -> dict:
             "overhead": line_through({r: s * costs.load for r, s in costs.overheads.items()})}
 
 
-prices = __import__("json").loads(Path(args.prices).read_text()) if args.prices else measured_prices()
+prices = json.loads(Path(args.prices).read_text()) if args.prices else measured_prices()
 if not args.prices:
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.with_name(output.stem + "-prices.json").write_text(__import__("json").dumps(prices, indent=1))
+    output.with_name(output.stem + "-prices.json").write_text(json.dumps(prices, indent=1))
 F = {tuple(map(int, key.split(","))): seconds for key, seconds in prices["forward"].items()}
 
 
@@ -199,4 +200,5 @@ lines = ["# Priced replay: the policy's choices at this machine's prices, withou
          "script's docstring). Ratios to plain served the same way.", "",
          *md_table(["rate", "seed", "tokens: aggregate", "defaults: aggregate", "tokens: per-user",
                     "defaults: per-user", "plain rounds", "tokens rounds", "defaults rounds", "outputs = plain"], table)]
-print("\n".join(lines[-len(table) - 2:]), f"\n-> {write_report(output, results, lines)}")
+md = write_report(output, results, lines)
+print("\n".join(lines[-len(table) - 2:]), f"\n-> {md}")

@@ -114,7 +114,7 @@ class RoundPolicy:
         sooner saves c a round, the batch (f) only with its last row. Row r takes about N_r = L_r / t_r more rounds
         (t_r its tokens per round so far, L_r its tokens left, cut by an end drawn at the rate requests ended early);
         a round saves c times its tokens / t plus f times what it takes off the largest N, averaged over draws of the
-        ends and of the drafts accepted. Rows alike and certain to end together: the round's tokens."""
+        ends and accepted drafts (rows alike and ending together: the round's tokens)."""
         rows, c = len(left), self.costs.row_seconds(len(left))
         f = max(plain_seconds - c * rows, 0.0)
         rate = numpy.array([t / n for t, n in map(self.progress.get, request_ids, [(1.0, 1.0)] * rows)])
@@ -124,13 +124,13 @@ class RoundPolicy:
         length = numpy.minimum(numpy.array(left, dtype=float), ends)
         # Renewal: the rounds to emit L tokens at t a round (variance about t (t - 1)) spread as sqrt(L (t - 1)) / t.
         rounds = length / rate + draws.standard_normal(length.shape) * numpy.sqrt(length * (rate - 1.0)) / rate
-        chance = draws.random((DRAIN_SAMPLES, rows, 1))
+        chance, last = draws.random((DRAIN_SAMPLES, rows, 1)), rounds.max(1)  # last: one largest N a draw, every width
 
         def worth(verified: list[list[float]]) -> float:
             slots = max(map(len, verified))
             survival = numpy.array([values + [0.0] * (slots - len(values)) for values in verified]).reshape(rows, -1)
             gained = (1.0 + (survival[None] > chance).sum(2)) / rate  # (draws, rows): rounds each row saves
-            return (c * gained.mean(0).sum() + f * (rounds.max(1) - (rounds - gained).max(1)).mean()) / (c + f / rows)
+            return (c * gained.mean(0).sum() + f * (last - (rounds - gained).max(1)).mean()) / (c + f / rows)
         return worth
 
     def _best(self, suffix, drafted, budgets, prices, draft_seconds: float, worth=None) -> RoundPlan:
