@@ -10,8 +10,7 @@ A round of width W is priced F(R, W) + O(R) (+ D(R) when it drafts): fewer, wide
 A shape the loop ran is priced by its base times the load now (see below). A shape never run is priced by the least
 it can cost, at least a profiled table's price (a plain step by the dearest plain step over fewer rows, a wider one by
 the dearest shape over at most N tokens, next to nothing with none), tried once while that could win, then priced by
-what it cost (a line through the measured shapes priced a convex curve's middle high: 0.92x the best fixed width at 64
-rows in the GPU-shaped simulation, against 0.98x). D(R) likewise.
+what it cost (a line through the measured shapes priced a convex curve's middle high). D(R) likewise.
 """
 
 from __future__ import annotations
@@ -80,12 +79,14 @@ class CostModel:
         return [self.forward_seconds(rows, width) + overhead for width in range(1, widths + 1)]
 
     def row_seconds(self, rows: int) -> float:
-        """What one row adds to a plain step at `rows` rows: the least-squares slope of the measured plain steps over
-        their row counts, within [0, the step's seconds per row] (that average with fewer than two measured)."""
-        here = self.forward_seconds(rows, 1)
+        """One row's part of a plain step at `rows` rows: the least-squares slope of the measured plain steps over their
+        row counts less its standard error, in [0, the step's seconds per row]; 0 before three row counts ran (a slope
+        through a few noisy steps met the cap, where a draining batch counts tokens again: 0.83x plain all at once)."""
         plain = numpy.array([(r, seconds) for (r, w), seconds in self.forwards.items() if w == 1]).reshape(-1, 2)
-        slope = self.load * numpy.polyfit(plain[:, 0], plain[:, 1], 1)[0] if len(plain) > 1 else here / rows
-        return min(max(float(slope), 0.0), here / rows)
+        if len(plain) < 3:
+            return 0.0
+        (slope, _), covariance = numpy.polyfit(plain[:, 0], plain[:, 1], 1, cov=True)
+        return min(max(self.load * float(slope - covariance[0, 0] ** 0.5), 0.0), self.forward_seconds(rows, 1) / rows)
 
     def draft_seconds(self, rows: int) -> float:
         if rows in self.drafts:

@@ -6,9 +6,8 @@ The drafter's slots are estimated by a Thompson draw from the posterior of what 
 after drafting cut counts as reached, not accepted: the rule's own rates, from slots it chose as confident, flatter a
 plan that cannot see confidences), a suffix proposal by its posterior mean. At each width each row takes its better
 proposer; the rule admits widths with the drafter's pass paid and without it, and the better round is the plan. A
-batch that drains values a round by the seconds it saves (`_draining`), not by its tokens.
-Lossless: every choice depends on earlier rounds, the committed text and the policy's own random stream only.
-"""
+draining batch values a round by the seconds it saves (`_draining`). Lossless: every choice depends on earlier rounds,
+the committed text and the policy's own random stream only."""
 
 from __future__ import annotations
 

@@ -298,6 +298,29 @@ def test_a_draining_batch_values_a_round_by_the_rounds_it_saves():
     assert sources([20, 20, 20, 20], (repeating,) * 4) == [[SUFFIX] * 4] * 20
 
 
+def test_a_rows_cost_is_the_slope_the_plain_steps_show_and_zero_where_they_show_none():
+    """c, what a row adds to a plain step, values a draining batch's rows that are not last; at its cap the value is
+    the round's tokens again. Plain steps at fewer than three row counts, or too noisy to show a slope (session 34's
+    real timings at 1-5 rows, whose least-squares slope alone is 22 ms a row): c = 0. A clear line: its slope."""
+    def plain(steps, load=1.0):
+        costs = CostModel(learn=False)
+        costs.forwards.update({(rows, 1): seconds for rows, seconds in steps})
+        costs.load = load
+        return costs
+
+    assert plain([(2, 0.2), (12, 0.5)]).row_seconds(12) == 0.0
+    noisy = [(1, 0.060), (2, 0.226), (3, 0.307), (4, 0.211), (5, 0.179)]
+    assert plain(noisy).row_seconds(12) == 0.0
+    line = [(rows, 0.2 + 0.01 * rows) for rows in (1, 2, 4, 8)]
+    assert plain(line).row_seconds(8) == pytest.approx(0.01)
+    assert plain(line, load=2.0).row_seconds(8) == pytest.approx(0.02)
+    rng = random.Random(0)  # a line with 2 % noise over 1-16 rows: about its slope, less one standard error
+    shaken = [(rows, (0.2 + 0.01 * rows) * (1 + 0.02 * rng.uniform(-1, 1))) for rows in range(1, 17)]
+    assert 0.008 < plain(shaken).row_seconds(16) <= 0.0105
+    steep = [(rows, -0.05 + 0.1 * rows) for rows in (1, 2, 3)]  # at most the step's seconds per row
+    assert plain(steep).row_seconds(2) == pytest.approx(plain(steep).forward_seconds(2, 1) / 2)
+
+
 def test_thompson_draws_try_an_unknown_drafter_and_seldom_a_known_poor_one():
     """Prices where the drafter pays only if its first slot is accepted well over half the time: one never measured
     is tried in a good share of rounds (its posterior leaves that possible), one measured at 0.2 almost never, and
