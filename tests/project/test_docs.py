@@ -215,6 +215,10 @@ def check_pytest(args: list[str]) -> str | None:
             for word in re.findall(r"\w+", args[i]):
                 if word not in ("not", "and", "or") and f'"{word}:' not in pyproject:
                     return f"pytest marker {word} is not declared in pyproject.toml"
+        elif arg.split("=", 1)[0] in ("--ignore", "--deselect"):  # pytest's own: a path that must exist
+            path = arg.split("=", 1)[1] if "=" in arg else args[(i := i + 1)]
+            if not (ROOT / path.split("::")[0]).exists():
+                return f"{path} does not exist"
         elif arg.startswith("--"):
             if declared(conftest, [arg.split("=", 1)[0]]):
                 return f"tests/conftest.py defines no {arg}"
