@@ -125,16 +125,16 @@ class RoundPolicy:
         rounds = length / rate + draws.standard_normal(length.shape) * numpy.sqrt(length * (rate - 1.0)) / rate
         chance, last = draws.random((DRAIN_SAMPLES, rows, 1)), rounds.max(1)  # last: one largest N a draw, every width
 
-        def worth(verified: list[list[float]]) -> float:
-            slots = max(map(len, verified))
-            survival = numpy.array([values + [0.0] * (slots - len(values)) for values in verified]).reshape(rows, -1)
-            gained = (1.0 + (survival[None] > chance).sum(2)) / rate  # (draws, rows): rounds each row saves
-            return (c * gained.mean(0).sum() + f * (last - (rounds - gained).max(1)).mean()) / (c + f / rows)
+        def worth(widths: list[list[list[float]]]) -> list[float]:  # per width, each row's verified survivals
+            slots = max(len(values) for verified in widths for values in verified)
+            survival = numpy.array([[v + [0.0] * (slots - len(v)) for v in verified] for verified in widths])
+            gained = (1.0 + (survival.reshape(len(widths), rows, slots)[None] > chance[:, None]).sum(3)) / rate
+            saved = c * gained.mean(0).sum(1) + f * (last[:, None] - (rounds[:, None] - gained).max(2)).mean(0)
+            return list(saved / (c + f / rows))  # gained: (draws, widths, rows), the rounds each row saves
         return worth
 
     def _best(self, suffix, drafted, budgets, prices, draft_seconds: float, worth=None) -> RoundPlan:
-        """The admitted round when each row takes its better proposer at each width (`drafted` None: no drafter),
-        its tokens valued by `worth` (None: counted)."""
+        """The admitted round, each row by its better proposer per width (`drafted`, `worth` None: no drafter, tokens)."""
         def better(row: int, count: int) -> tuple[str, list[float]]:  # a row's better proposer, its survivals
             by_suffix, by_drafter = suffix[row][:count], drafted[row][:count] if drafted else []
             if sum(by_drafter) > sum(by_suffix):
@@ -142,8 +142,8 @@ class RoundPolicy:
             return SUFFIX if sum(by_suffix) > 0.0 else NO_DRAFT, by_suffix
 
         rows = range(len(budgets))  # at width count + 1, each row by its better proposer
-        expected = [worth([better(row, count)[1] for row in rows]) if worth is not None else
-                    len(budgets) + sum(sum(better(row, count)[1]) for row in rows) for count in range(len(prices))]
+        chosen = [[better(row, count)[1] for row in rows] for count in range(len(prices))]
+        expected = worth(chosen) if worth is not None else [len(budgets) + sum(map(sum, v)) for v in chosen]
         width = best_width(expected, [price + draft_seconds for price in prices])
         sources = [better(row, width - 1)[0] for row in rows]
         lengths = [min(width - 1, {DRAFTER: budget, SUFFIX: len(suffix[row]), NO_DRAFT: 0}[source])

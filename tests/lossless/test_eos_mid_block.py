@@ -19,6 +19,7 @@ from hf_dspark import DraftingState
 from hf_dspark.generation.engine.eagle3 import row_drafter_for
 from hf_dspark.generation.one_prompt.prompt_rows import OnePromptRows
 from hf_dspark.policy import VerificationCostTable
+from hf_dspark.policy.costs import CostModel
 from factories import promising_suffix, prompts, tiny_drafter, tiny_target
 from batch_helpers import left_pad
 
@@ -243,6 +244,9 @@ def suffix_rounds_only() -> dict:
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_an_eos_accepted_inside_a_suffix_proposal_ends_the_row(monkeypatch, batch):
+    # A step's seconds all its rows' (no fixed part): every row's accepted tokens save their share, so a batch that
+    # drains verifies each row's proposal, not only the last row's (the flat table alone prices a row at nothing).
+    monkeypatch.setattr(CostModel, "row_seconds", lambda costs, rows: costs.forward_seconds(rows, 1) / rows)
     target = tiny_target("llama", initializer_range=0.08)
     drafter = tiny_drafter(target, "markov", block_size=BLOCK)
     check_eos_mid_block(monkeypatch, target, drafter, looping_prompts(target, LOOPS[batch]), "suffix",
