@@ -25,7 +25,7 @@ def _sampling_pair(seed: int = 1):
     with torch.no_grad():
         drafter.candidate_selector.predecessor_codebook.weight.normal_(0.0, 1.5)
         drafter.candidate_selector.successor_codebook.weight.normal_(0.0, 1.5)
-    drafter.generation_config.dspark_learn_round_costs = False  # flat prices: every round drafts
+    drafter.generation_config.dspark_round_planning = False  # every round drafts its whole block, at any prices
     return target, drafter
 
 
