@@ -125,9 +125,11 @@ def simulate_policy(policy: str, policy_arg, *, requests: int, rounds: int, conf
     generator = torch.Generator().manual_seed(seed)
     draft_length = confidence_model.draft_length
     clock, model, shift = _Clock(), CostModel(), ConfidenceShift()
-    plans = RoundPolicy(draft_length, planning=planning, costs=model, drafter_acceptance=SlotAcceptance.empty(draft_length),
-                        calibration=shift, clock=clock)
-    rule = DraftLengthRule(policy, policy_arg, costs=model, calibration=shift) if policy != "plain" else None
+    learnt = SlotAcceptance.empty(draft_length)  # the rule looks ahead at the rates the policy learns, as the loops'
+    rule = DraftLengthRule(policy, policy_arg, costs=model, calibration=shift, acceptance=learnt
+                           ) if policy != "plain" else None
+    plans = RoundPolicy(draft_length, planning=planning, costs=model, drafter_acceptance=learnt,
+                        calibration=shift, clock=clock, rule=rule)
     tokens, verified = 0, 0
     for _ in range(rounds):
         confidences = confidence_model.sample(requests, generator)

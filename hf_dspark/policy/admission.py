@@ -17,8 +17,6 @@ its draft made c_{j+1} high, and biases the output). The look ahead crosses a pr
 tokens cost 1.35x three, then 5 % a token) where the slots behind it repay it.
 """
 
-from __future__ import annotations
-
 import torch
 
 from .acceptance import ConfidenceShift, SlotAcceptance

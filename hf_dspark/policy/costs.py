@@ -13,8 +13,6 @@ the dearest shape over at most N tokens, next to nothing with none), tried once 
 what it cost (a line through the measured shapes priced a convex curve's middle high). D(R) likewise.
 """
 
-from __future__ import annotations
-
 import numpy
 
 from ..models.cost_table import VerificationCostTable

@@ -2,6 +2,7 @@
 prices and acceptances they mean (no verdict here depends on this machine's speed), the plans it makes from them, and
 the loops it runs in: every row its own plain greedy output, sampling exact at R > 1."""
 
+import math
 import random
 from collections import Counter
 
@@ -148,6 +149,26 @@ def test_confidence_calibration_follows_a_miscalibrated_head_within_a_few_rounds
         read = right.apply(torch.tensor([[0.2, 0.5, 0.8]]))[0].tolist()
         errors.append(max(abs(a - b) for a, b in zip(read, [0.2, 0.5, 0.8])))
     assert statistics.median(levels) > 0.8 and statistics.median(errors) < 0.15
+
+
+def test_confidence_calibration_reaches_the_mode_from_a_steep_fit():
+    """Confidences spread over logits -7..7 and outcomes that ignore them (0.9 accepted): refitted from a steep fit
+    (slope 2.1, the state a few early rounds left in a simulated run), the fit reaches the mode that a fit from the prior
+    finds, slope about 0 and the level 0.9; full Newton steps capped in length stalled at slope 2.1 (the rule then
+    verified one slot of seven at A = 0.9)."""
+    import numpy
+    from hf_dspark.policy.acceptance import ConfidenceShift
+    rng = numpy.random.default_rng(0)
+    confidences = 1.0 / (1.0 + numpy.exp(-rng.uniform(-7.0, 7.0, 1000)))
+    outcomes = (rng.random(1000) < 0.9).astype(float)
+    fits = []
+    for start in ((1.0, 0.0), (2.12, 0.67)):
+        shift = ConfidenceShift(slope=start[0], shift=start[1])
+        shift.confidences.extend(confidences.tolist()), shift.outcomes.extend(outcomes.tolist())
+        shift.fit()
+        fits.append((shift.slope, shift.shift))
+    assert fits[0] == pytest.approx(fits[1], abs=1e-4)
+    assert abs(fits[0][0]) < 0.1 and 1.0 / (1.0 + math.exp(-fits[0][1])) == pytest.approx(0.9, abs=0.02)
 
 
 def test_the_drafter_is_free_until_measured_then_priced_by_rows():

@@ -75,3 +75,14 @@ def test_the_defaults_stop_paying_for_drafts_that_never_pay_and_draft_where_they
     plain, planned, unplanned = (run("plain", 512, False), run("scheduler", 512, True), run("scheduler", 512, False))
     assert planned > unplanned and planned > 0.9 * plain
     assert run("scheduler", 4, True) > 0.95 * run("all", 4, False) > 2 * run("plain", 4, False)
+
+
+def test_the_simulated_rule_looks_ahead_as_the_loops_rule_does():
+    """A price jump at two tokens (a CPU's, where one draft costs as much as the anchor) repaid by the slots behind it:
+    the loops' rule looks ahead at the rates it learnt and verifies the whole block at A = 0.9; the next slot alone
+    (the simulation's rule before it was wired as the loops' is) never pays for the jump."""
+    table = VerificationCostTable([1.0, 2.0] + [2.0 + 0.02 * k for k in range(1, 62)])
+    accepted = lambda confidences: torch.full_like(confidences, 0.9)  # noqa: E731
+    result = simulate_policy("scheduler", None, requests=1, rounds=200, confidence_model=MODEL, costs=table,
+                             draft_seconds=lambda r, g: 0.1, acceptance=accepted)
+    assert result.verified_drafts > 6.0  # of 7 a round
