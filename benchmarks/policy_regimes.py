@@ -2,6 +2,8 @@
 
     python benchmarks/policy_regimes.py --output benchmarks/policy-regimes/results.json
     python benchmarks/policy_regimes.py --simulate-only --output benchmarks/policy-regimes/simulation.json
+    python benchmarks/policy_regimes.py --simulate-only --simulate-prices profiled --rows 1,4 \
+        --output benchmarks/policy-regimes/simulation-profiled.json                 # at this machine's prices
     python benchmarks/policy_regimes.py --rows 1,4 --acceptances 0.7 --forms independent --repeats 1 \
         --max-new-tokens 16 --output /tmp/regimes.json                                      # a smoke run
 
@@ -26,7 +28,10 @@ rate is its seconds, not where a forced draft happened to end a row.
 
 Per cell: defaults / the best other method in hindsight, and defaults / plain. `--simulate` adds the same cells on
 a GPU-shaped cost curve (`evaluation.simulation.gpu_like_costs`): the policy's own classes, prices learnt from the
-simulated seconds, acceptance drawn as above with confidences from a Beta model.
+simulated seconds, acceptance drawn as above with confidences from a Beta model. `--simulate-prices profiled` runs the
+simulation at this machine's own prices instead: per R, a table profiled here (`hf-dspark profile`'s
+`profile_verification_costs` over R rows, with the drafter's pass), so the cells are read on a clock without noise
+(this CPU's timings swing by 10-40 % between the repeats of a cell, more than the 5 % the defaults are judged by).
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ parser.add_argument("--ends", action="store_true",
 parser.add_argument("--simulate", action="store_true", help="also the GPU-shaped simulation of the same cells")
 parser.add_argument("--simulate-only", action="store_true")
 parser.add_argument("--simulated-rounds", type=int, default=400)
+parser.add_argument("--simulate-prices", default="gpu", choices=["gpu", "profiled"],
+                    help="the simulation's prices: a GPU-shaped curve, or tables profiled on this machine per R")
+parser.add_argument("--simulated-seeds", type=int, default=1, help="simulated runs per method and cell (mean rate)")
 parser.add_argument("--output", default="benchmarks/policy-regimes/results.json")
 add_prompt_arguments(parser)
 args = parser.parse_args()
@@ -77,6 +85,7 @@ if not set(forms) <= set(FORMS):
     raise SystemExit(f"--forms takes {', '.join(FORMS)}")
 METHODS = ["plain", "all", *[f"fixed-{k}" for k in args.fixed.split(",")], "threshold", "defaults"]
 output = Path(args.output)
+SIMULATION_KEY = "simulation" if args.simulate_prices == "gpu" else "simulation_profiled"
 
 
 def method_settings(method: str) -> dict | None:
@@ -203,18 +212,40 @@ def run_cells(results: dict) -> None:
         write_report(output, results, report_lines(results))
 
 
+_MODELS: list = []  # (target, tokenizer, drafter), loaded once for profiling
+
+
+def profiled_prices(results: dict, rows: int):
+    """(table, draft_seconds) profiled on this machine for `rows` rows (kept in the results: a resumed run reuses it)."""
+    from hf_dspark.evaluation.profiling import profile_verification_costs
+    from hf_dspark.models.cost_table import VerificationCostTable
+
+    tables = results.setdefault("profiled_tables", {})
+    if str(rows) not in tables:
+        if not _MODELS:
+            _MODELS.extend(load_models(args.drafter, args.threads))
+        target, _, drafter = _MODELS
+        table = profile_verification_costs(target, max_tokens=8 * rows, rows=rows, drafter=drafter,
+                                           repeats=5 if rows < 8 else 3)
+        tables[str(rows)] = {"seconds": table.seconds, "draft_seconds": table.draft_seconds}
+    table = VerificationCostTable(tables[str(rows)]["seconds"])
+    return table, lambda requests, draft_length, d=tables[str(rows)]["draft_seconds"]: d
+
+
 def simulate_cells(results: dict) -> None:
-    """The same cells on a GPU-shaped curve: `evaluation.simulation.simulate_policy`, the policy's own classes at
-    work, prices learnt from the simulated seconds, the head's confidences from a Beta model around an even chance."""
+    """The same cells on a GPU-shaped curve (or this machine's profiled prices): `evaluation.simulation.
+    simulate_policy`, the policy's own classes at work, prices learnt from the simulated seconds, the head's
+    confidences from a Beta model around an even chance."""
     from hf_dspark.evaluation.simulation import ConfidenceModel, gpu_like_costs, simulate_policy
 
-    table, draft_seconds = gpu_like_costs()
     model = ConfidenceModel([0.5] * 7, concentration=2.0)
-    cells = results.setdefault("simulation", {})
+    cells = results.setdefault(SIMULATION_KEY, {})
     for form in forms:
         for acceptance in acceptances:
             mapping = confidence_map(form, acceptance, 0.0) or (lambda c, a=acceptance: torch.full_like(c, a))
             for rows in rows_list:
+                table, draft_seconds = gpu_like_costs() if args.simulate_prices == "gpu" else profiled_prices(
+                    results, rows)
                 rates = {}
                 for method in METHODS:
                     settings = method_settings(method)
@@ -223,10 +254,12 @@ def simulate_cells(results: dict) -> None:
                     else:
                         chosen = settings.get("dspark_verification_policy", ("scheduler", None))
                         policy, arg = (chosen, None) if isinstance(chosen, str) else chosen
-                    result = simulate_policy(policy, arg, requests=rows, rounds=args.simulated_rounds,
-                                             confidence_model=model, costs=table, draft_seconds=draft_seconds,
-                                             seed=rows, planning=method == "defaults", acceptance=mapping)
-                    rates[method] = result.aggregate_tokens_per_second
+                    rates[method] = statistics.fmean(
+                        simulate_policy(policy, arg, requests=rows, rounds=args.simulated_rounds,
+                                        confidence_model=model, costs=table, draft_seconds=draft_seconds,
+                                        seed=rows + 1000 * seed, planning=method == "defaults",
+                                        acceptance=mapping).aggregate_tokens_per_second
+                        for seed in range(args.simulated_seeds))
                 others = {m: v for m, v in rates.items() if m != "defaults"}
                 hindsight = max(others, key=others.get)
                 cells[f"{form}/{acceptance}/{rows}"] = {
@@ -251,7 +284,9 @@ def report_lines(results: dict) -> list[str]:
     lines = ["# Policy regimes: the defaults against the best fixed policy in hindsight", "",
              f"`{results['command']}`", ""]
     for key, title in (("cells", "SmolLM2-135M on this CPU, acceptance oracle (tokens/s, best of the repeats)"),
-                       ("simulation", "GPU-shaped simulation (tokens per simulated second)")):
+                       ("simulation", "GPU-shaped simulation (tokens per simulated second)"),
+                       ("simulation_profiled", "Simulation at this machine's profiled prices (tokens per simulated "
+                                               "second; `profiled_tables` in the JSON)")):
         cells = results.get(key)
         if not cells:
             continue
@@ -281,7 +316,8 @@ results = {"command": command_line(), "git": git_state(), "environment": environ
            "settings": {**vars(args), "methods": METHODS}}
 if output.exists():  # resume: cells already measured are kept
     import json
-    results.update({k: v for k, v in json.loads(output.read_text()).items() if k in ("cells", "simulation")})
+    results.update({k: v for k, v in json.loads(output.read_text()).items()
+                    if k in ("cells", "simulation", "simulation_profiled", "profiled_tables")})
 if not args.simulate_only:
     run_cells(results)
 if args.simulate or args.simulate_only:
