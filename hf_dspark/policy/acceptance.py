@@ -130,14 +130,15 @@ class ConfidenceShift:
         theta, prior = numpy.array([self.slope, self.shift]), numpy.array([1.0, 0.0])
         value = lambda t: float(y @ (features @ t) - numpy.logaddexp(0.0, features @ t).sum()  # noqa: E731
                                 - CALIBRATION_PRIOR / 2 * ((t - prior) ** 2).sum())
+        now = value(theta)
         for _ in range(50):
             p = 1.0 / (1.0 + numpy.exp(-features @ theta))
             gradient = features.T @ (y - p) - CALIBRATION_PRIOR * (theta - prior)
             hessian = (features.T * (p * (1.0 - p))) @ features + CALIBRATION_PRIOR * numpy.eye(2)
-            step, now = numpy.linalg.solve(hessian, gradient), value(theta)
-            while value(theta + step) < now and abs(step).max() > 1e-9:
+            step = numpy.linalg.solve(hessian, gradient)
+            while (climbed := value(theta + step)) < now and abs(step).max() > 1e-9:
                 step = step / 2
-            theta = theta + step
+            theta, now = theta + step, climbed
             if abs(step).max() < 1e-6:
                 break
         self.slope, self.shift = float(theta[0]), float(theta[1])
